@@ -1,0 +1,208 @@
+"""Memory-mapped reader of Megatron .bin/.idx token stores.
+
+Opening a store reads only the 34-byte header and the file sizes; the arrays are
+views into a read-only memory map, so resident memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from tokenloom.errors import ConfigError, FormatError
+from tokenloom.io.format import (
+    HEADER_SIZE,
+    IdxHeader,
+    bin_path,
+    idx_path,
+    meta_path,
+    normalize_prefix,
+    parse_header,
+)
+
+
+def _map_readonly(path: str) -> np.ndarray:
+    """The whole file as a read-only uint8 array (an empty array for an empty file)."""
+    if os.path.getsize(path) == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+class IndexedDataset:
+    """A Megatron-format token store, opened by prefix.
+
+    Args:
+        prefix: path without suffix (``data/wiki`` for ``data/wiki.idx`` + ``data/wiki.bin``);
+            a path ending in ``.idx`` or ``.bin`` is accepted too.
+
+    Opening checks, in O(1), that the header is sane, that the .idx size matches the counts it
+    declares, and that the .bin is long enough for the last sequence. ``validate()`` checks
+    every array (O(number of sequences)).
+    """
+
+    def __init__(self, prefix) -> None:
+        self.prefix = normalize_prefix(prefix)
+        self.idx_path = idx_path(self.prefix)
+        self.bin_path = bin_path(self.prefix)
+        for path in (self.idx_path, self.bin_path):
+            if not os.path.isfile(path):
+                raise FormatError(
+                    f"{path}: no such file; a token store needs both {self.prefix}.idx and "
+                    f"{self.prefix}.bin"
+                )
+        with open(self.idx_path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+        self.header: IdxHeader = parse_header(head, self.idx_path)
+        idx_size = os.path.getsize(self.idx_path)
+        expected = self.header.expected_idx_size()
+        if idx_size != expected:
+            raise FormatError(
+                f"{self.idx_path}: file is {idx_size} bytes but its header declares "
+                f"{self.header.num_sequences} sequences and {self.header.num_document_indices} "
+                f"document indices, which need exactly {expected} bytes; the file is "
+                f"{'truncated' if idx_size < expected else 'longer than its header says'}"
+            )
+        self._idx = _map_readonly(self.idx_path)
+        n, m = self.header.num_sequences, self.header.num_document_indices
+        offset = HEADER_SIZE
+        # sequence_lengths: (N,) int32; sequence_pointers: (N,) int64; document_indices: (M,) int64
+        self.sequence_lengths = np.frombuffer(self._idx, dtype=np.int32, count=n, offset=offset)
+        offset += 4 * n
+        self.sequence_pointers = np.frombuffer(self._idx, dtype=np.int64, count=n, offset=offset)
+        offset += 8 * n
+        self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=m, offset=offset)
+
+        self.dtype: np.dtype = self.header.dtype
+        self.itemsize: int = self.dtype.itemsize
+        self.bin_size = os.path.getsize(self.bin_path)
+        if n:
+            last_length = int(self.sequence_lengths[-1])
+            last_pointer = int(self.sequence_pointers[-1])
+            end = last_pointer + last_length * self.itemsize
+            if last_length < 0 or last_pointer < 0 or end > self.bin_size:
+                raise FormatError(
+                    f"{self.bin_path}: file is {self.bin_size} bytes but the last sequence "
+                    f"(pointer {last_pointer}, length {last_length}) ends at byte {end} per "
+                    f"{self.idx_path}; the .bin is truncated or belongs to another .idx"
+                )
+        bin_bytes = _map_readonly(self.bin_path)
+        usable = self.bin_size - self.bin_size % self.itemsize
+        # tokens: (bin_size // itemsize,) of self.dtype
+        self.tokens = bin_bytes[:usable].view(self.dtype)
+        self._metadata: dict | None = None
+        self._metadata_loaded = False
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.header.num_sequences
+
+    @property
+    def num_sequences(self) -> int:
+        return self.header.num_sequences
+
+    @property
+    def num_documents(self) -> int:
+        return self.header.num_documents
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all sequences (int64 sum, exact beyond 2^31)."""
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    @property
+    def metadata(self) -> dict | None:
+        """The ``PREFIX.meta.json`` sidecar (tokenizer record etc.), or None if absent."""
+        if not self._metadata_loaded:
+            path = meta_path(self.prefix)
+            if os.path.isfile(path):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        self._metadata = json.load(f)
+                except (OSError, ValueError) as exc:
+                    raise FormatError(f"{path}: unreadable sidecar JSON: {exc}") from exc
+                if not isinstance(self._metadata, dict):
+                    raise FormatError(f"{path}: sidecar must hold a JSON object, got {self._metadata!r:.60}")
+            self._metadata_loaded = True
+        return self._metadata
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _check_sequence(self, sequence_id) -> int:
+        n = self.header.num_sequences
+        if not isinstance(sequence_id, (int, np.integer)) or not -n <= sequence_id < n:
+            raise IndexError(f"{self.prefix}: sequence {sequence_id!r} out of range [0, {n})")
+        return int(sequence_id) % n if n else 0
+
+    def get(self, sequence_id: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of one sequence (to its end if length is None)."""
+        i = self._check_sequence(sequence_id)
+        seq_length = int(self.sequence_lengths[i])
+        if length is None:
+            length = seq_length - offset
+        if offset < 0 or length < 0 or offset + length > seq_length:
+            raise IndexError(
+                f"{self.prefix}: tokens [{offset}, {offset + length}) outside sequence {i} "
+                f"of length {seq_length}"
+            )
+        start = int(self.sequence_pointers[i]) // self.itemsize + offset
+        return self.tokens[start : start + length]
+
+    def __getitem__(self, sequence_id) -> np.ndarray:
+        if isinstance(sequence_id, slice):
+            return [self.get(i) for i in range(*sequence_id.indices(len(self)))]
+        return self.get(sequence_id)
+
+    def window(self, sequence_id: int, offset: int, length: int) -> np.ndarray:
+        """``length`` tokens starting at ``offset`` in ``sequence_id``, running on into the
+        sequences stored after it (documents are contiguous in the .bin)."""
+        i = self._check_sequence(sequence_id)
+        start = int(self.sequence_pointers[i]) // self.itemsize + offset
+        if offset < 0 or length < 0 or start + length > self.tokens.shape[0]:
+            raise IndexError(
+                f"{self.prefix}: window of {length} tokens at offset {offset} of sequence {i} "
+                f"runs past the end of the store ({self.tokens.shape[0]} tokens)"
+            )
+        return self.tokens[start : start + length]
+
+    def read_spans(self, sequence_ids, offsets, lengths) -> np.ndarray:
+        """Concatenate many spans ``tokens[seq][offset:offset+length]`` in one vectorised gather.
+
+        Returns a new array (not a view) of ``sum(lengths)`` tokens.
+        """
+        sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not sequence_ids.shape == offsets.shape == lengths.shape or sequence_ids.ndim != 1:
+            raise ConfigError(
+                f"read_spans needs three 1-D arrays of one length, got shapes "
+                f"{sequence_ids.shape}, {offsets.shape}, {lengths.shape}"
+            )
+        if sequence_ids.size == 0:
+            return np.zeros(0, dtype=self.dtype)
+        n = self.header.num_sequences
+        if sequence_ids.min() < 0 or sequence_ids.max() >= n:
+            raise IndexError(f"{self.prefix}: sequence ids outside [0, {n})")
+        seq_lengths = self.sequence_lengths[sequence_ids].astype(np.int64)
+        if (offsets < 0).any() or (lengths < 0).any() or (offsets + lengths > seq_lengths).any():
+            raise IndexError(f"{self.prefix}: a span runs outside its sequence")
+        # starts: (num_spans,) int64 token positions in the .bin
+        starts = self.sequence_pointers[sequence_ids] // self.itemsize + offsets
+        total = int(lengths.sum())
+        if sequence_ids.size == 1:
+            return np.array(self.tokens[starts[0] : starts[0] + total])
+        # positions: (total,) int64 = start of each span + rank inside its span
+        span_of_token = np.repeat(np.arange(lengths.size), lengths)
+        first_out = np.cumsum(lengths) - lengths
+        positions = starts[span_of_token] + (np.arange(total) - first_out[span_of_token])
+        return self.tokens[positions]
+
+    def close(self) -> None:
+        """Drop the memory maps (views handed out earlier keep theirs alive)."""
+        self._idx = self.tokens = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.prefix!r}, sequences={self.num_sequences}, "
+            f"documents={self.num_documents}, dtype={self.dtype})"
+        )

@@ -1,0 +1,306 @@
+"""Streaming writer of Megatron .bin/.idx token stores, finalized atomically.
+
+Tokens stream into a hidden temporary .bin beside the target; lengths are kept in
+memory as numpy chunks (4 bytes per sequence). ``finalize`` computes the pointer and
+document arrays vectorised, writes the .idx to a temporary file, fsyncs both and renames
+them into place, the .idx last: a store whose .idx exists is complete. A crash, an
+exception inside ``with`` or Ctrl-C leaves no file under the target names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from tokenloom.errors import ConfigError, InputError
+from tokenloom.io.format import (
+    IdxHeader,
+    bin_path,
+    check_token_dtype,
+    idx_path,
+    meta_path,
+    normalize_prefix,
+)
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_beside(path: str) -> tuple[int, str]:
+    directory, name = os.path.split(os.path.abspath(path))
+    return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+
+
+def write_json_atomic(path: str, payload) -> None:
+    """Write ``payload`` as JSON to ``path`` via a temp file, fsync and rename."""
+    fd, tmp = _temp_beside(path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def write_index_file(path: str, dtype: np.dtype, sequence_lengths, document_indices) -> None:
+    """Write a complete .idx for contiguous sequences (pointers derived from the lengths).
+
+    ``sequence_lengths`` (N,) and ``document_indices`` (M,) are written as int32 / int64.
+    The file goes to ``path`` directly; callers that need atomicity pass a temp path.
+    """
+    sequence_lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int32)
+    document_indices = np.ascontiguousarray(document_indices, dtype=np.int64)
+    header = IdxHeader(
+        dtype=dtype,
+        num_sequences=int(sequence_lengths.size),
+        num_document_indices=int(document_indices.size),
+    )
+    with open(path, "wb") as f:
+        f.write(header.pack())
+        f.write(sequence_lengths.tobytes())
+        # sequence_pointers: (N,) int64 byte offsets, written in chunks to bound peak memory
+        chunk = 1 << 24
+        carry = 0
+        for begin in range(0, sequence_lengths.size, chunk):
+            part = sequence_lengths[begin : begin + chunk].astype(np.int64)
+            ends = np.cumsum(part)
+            pointers = (ends - part + carry) * dtype.itemsize
+            carry += int(ends[-1])
+            f.write(pointers.tobytes())
+        f.write(document_indices.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class IndexedDatasetWriter:
+    """Write a token store at ``prefix`` in one streaming pass.
+
+    Args:
+        prefix: target path without suffix; ``prefix.bin`` / ``prefix.idx`` appear only
+            when ``finalize`` succeeds (replacing an older store of that name).
+        dtype: token dtype; use ``dtype_for_vocab(vocab_size)`` to pick it like Megatron.
+
+    A document is one or more sequences: ``add_document`` writes a one-sequence document,
+    ``add_sequence`` + ``end_document`` build multi-sequence ones (Megatron's ``add_item``
+    / ``end_document``), ``add_documents`` appends many one-sequence documents at once.
+    """
+
+    def __init__(self, prefix, *, dtype=np.uint16) -> None:
+        self.prefix = normalize_prefix(prefix)
+        self.dtype = check_token_dtype(dtype)
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        if not os.path.isdir(directory):
+            raise ConfigError(f"{self.prefix}: output directory {directory} does not exist")
+        fd, self._bin_tmp = _temp_beside(bin_path(self.prefix))
+        self._bin = os.fdopen(fd, "wb", buffering=1 << 22)
+        self._length_chunks: list[np.ndarray] = []
+        self._boundary_chunks: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+        self._num_sequences = 0
+        self._num_tokens = 0
+        self._last_boundary = 0
+        self._state = "open"
+        if np.issubdtype(self.dtype, np.integer):
+            info = np.iinfo(self.dtype)
+            self._token_range = (int(info.min), int(info.max))
+        else:
+            self._token_range = None
+
+    # -- adding data ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ConfigError(f"{self.prefix}: writer is already {self._state}")
+
+    def _as_tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise InputError(f"{self.prefix}: tokens must be a 1-D array, got shape {tokens.shape}")
+        if tokens.size and self._token_range is not None and tokens.dtype != self.dtype:
+            if not np.issubdtype(tokens.dtype, np.integer):
+                raise InputError(
+                    f"{self.prefix}: tokens of dtype {tokens.dtype} given to an integer store "
+                    f"of dtype {self.dtype}"
+                )
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < self._token_range[0] or high > self._token_range[1]:
+                bad = low if low < self._token_range[0] else high
+                raise InputError(
+                    f"{self.prefix}: token id {bad} does not fit the store dtype {self.dtype} "
+                    f"(range {self._token_range[0]}..{self._token_range[1]}); use a wider dtype "
+                    "(int32 for vocabularies of 65500 ids or more)"
+                )
+        return np.ascontiguousarray(tokens, dtype=self.dtype)
+
+    def _append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self._bin.write(tokens.tobytes())
+        self._length_chunks.append(lengths.astype(np.int32))
+        self._num_sequences += int(lengths.size)
+        self._num_tokens += int(tokens.size)
+
+    def add_sequence(self, tokens) -> None:
+        """Append one sequence to the current document (close it with ``end_document``)."""
+        self._check_open()
+        tokens = self._as_tokens(tokens)
+        if tokens.size > _INT32_MAX:
+            raise InputError(
+                f"{self.prefix}: a sequence of {tokens.size} tokens exceeds the format's int32 "
+                "length field; split the document"
+            )
+        self._append(tokens, np.array([tokens.size], dtype=np.int64))
+
+    def end_document(self) -> None:
+        """Close the current document after the sequences added since the last one."""
+        self._check_open()
+        if self._num_sequences == self._last_boundary:
+            raise ConfigError(f"{self.prefix}: end_document() with no sequence since the last one")
+        self._boundary_chunks.append(np.array([self._num_sequences], dtype=np.int64))
+        self._last_boundary = self._num_sequences
+
+    def add_document(self, tokens) -> None:
+        """Append one document of one sequence."""
+        self.add_sequence(tokens)
+        self.end_document()
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Append ``len(lengths)`` one-sequence documents whose tokens are concatenated."""
+        self._check_open()
+        if self._num_sequences != self._last_boundary:
+            raise ConfigError(f"{self.prefix}: add_documents() inside an open document")
+        tokens = self._as_tokens(tokens)
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
+            raise InputError(f"{self.prefix}: lengths must be a 1-D integer array, got {lengths.dtype} {lengths.shape}")
+        lengths = lengths.astype(np.int64)
+        if lengths.size and (lengths.min() < 0 or lengths.max() > _INT32_MAX):
+            raise InputError(f"{self.prefix}: document lengths must lie in [0, 2^31), got min {lengths.min()} max {lengths.max()}")
+        if int(lengths.sum()) != tokens.size:
+            raise InputError(
+                f"{self.prefix}: lengths sum to {int(lengths.sum())} but {tokens.size} tokens were given"
+            )
+        self._append(tokens, lengths)
+        self._boundary_chunks.append(self._num_sequences - lengths.size + 1 + np.arange(lengths.size, dtype=np.int64))
+        self._last_boundary = self._num_sequences
+
+    def append_store(self, dataset) -> None:
+        """Append every document of an open ``IndexedDataset``, copying its .bin as bytes.
+
+        The caller validates ``dataset`` first (``tokenloom.io.validate``): its .bin must hold
+        exactly the tokens its .idx describes.
+        """
+        self._check_open()
+        if self._num_sequences != self._last_boundary:
+            raise ConfigError(f"{self.prefix}: append_store() inside an open document")
+        if dataset.dtype != self.dtype:
+            raise ConfigError(
+                f"cannot append {dataset.prefix} (dtype {dataset.dtype}) to {self.prefix} "
+                f"(dtype {self.dtype}); stores must share one token dtype"
+            )
+        with open(dataset.bin_path, "rb") as src:
+            shutil.copyfileobj(src, self._bin, 1 << 24)
+        self._length_chunks.append(np.array(dataset.sequence_lengths, dtype=np.int32))
+        # boundaries of the appended documents, shifted past the sequences already written
+        self._boundary_chunks.append(np.asarray(dataset.document_indices[1:]) + self._num_sequences)
+        self._num_sequences += dataset.num_sequences
+        self._num_tokens += dataset.num_tokens
+        self._last_boundary = self._num_sequences
+
+    @property
+    def num_sequences(self) -> int:
+        return self._num_sequences
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    # -- ending -------------------------------------------------------------------------------
+    def finalize(self, metadata: dict | None = None) -> None:
+        """Make the store visible: fsync, write the .idx, rename both (the .idx last).
+
+        ``metadata`` (a JSON-serialisable dict) becomes the ``PREFIX.meta.json`` sidecar.
+        """
+        self._check_open()
+        if self._num_sequences != self._last_boundary:
+            raise ConfigError(f"{self.prefix}: finalize() with an open document; call end_document()")
+        idx_tmp = None
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            lengths = (
+                np.concatenate(self._length_chunks) if self._length_chunks else np.zeros(0, np.int32)
+            )
+            boundaries = np.concatenate(self._boundary_chunks)
+            fd, idx_tmp = _temp_beside(idx_path(self.prefix))
+            os.close(fd)
+            write_index_file(idx_tmp, self.dtype, lengths, boundaries)
+            # An older store under this name must not look valid beside the new .bin.
+            _remove_quietly(idx_path(self.prefix))
+            if metadata is not None:
+                write_json_atomic(meta_path(self.prefix), metadata)
+            else:
+                _remove_quietly(meta_path(self.prefix))
+            os.replace(self._bin_tmp, bin_path(self.prefix))
+            os.replace(idx_tmp, idx_path(self.prefix))
+            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        except BaseException:
+            self._state = "aborted"
+            _remove_quietly(self._bin_tmp)
+            if idx_tmp is not None:
+                _remove_quietly(idx_tmp)
+            raise
+        self._state = "finalized"
+
+    def abort(self) -> None:
+        """Discard everything written; nothing appears under the target names."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        try:
+            self._bin.close()
+        finally:
+            _remove_quietly(self._bin_tmp)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.abort()
+            raise ConfigError(
+                f"{self.prefix}: writer left without finalize(); nothing was written"
+            )
+
+    def __del__(self) -> None:  # last resort: never leave temp files behind
+        if getattr(self, "_state", None) == "open":
+            try:
+                self.abort()
+            except Exception:
+                pass
