@@ -82,20 +82,22 @@ def write_index_file(path: str, dtype: np.dtype, sequence_lengths, document_indi
         num_sequences=int(sequence_lengths.size),
         num_document_indices=int(document_indices.size),
     )
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         f.write(header.pack())
-        f.write(sequence_lengths.tobytes())
-        # sequence_pointers: (N,) int64 byte offsets, written in chunks to bound peak memory
-        chunk = 1 << 24
+        f.write(memoryview(sequence_lengths).cast("B"))
+        # sequence_pointers: (N,) int64 byte offsets, computed and written a chunk at a time
+        chunk = 1 << 23
         carry = 0
         for begin in range(0, sequence_lengths.size, chunk):
-            part = sequence_lengths[begin : begin + chunk].astype(np.int64)
-            ends = np.cumsum(part)
-            pointers = (ends - part + carry) * dtype.itemsize
-            carry += int(ends[-1])
-            f.write(pointers.tobytes())
-        f.write(document_indices.tobytes())
-        f.flush()
+            part = sequence_lengths[begin : begin + chunk]
+            pointers = np.cumsum(part, dtype=np.int64)  # token offsets of each sequence's end
+            end = int(pointers[-1])
+            pointers -= part
+            pointers += carry
+            pointers *= dtype.itemsize
+            carry += end
+            f.write(memoryview(pointers).cast("B"))
+        f.write(memoryview(document_indices).cast("B"))
         os.fsync(f.fileno())
 
 

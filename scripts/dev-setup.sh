@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install tokenloom with everything its test suite needs, on a fresh machine.
+#   bash scripts/dev-setup.sh
+# torch is pinned to the CPU wheel this workplace keeps on disk (a plain `torch` would pull a
+# multi-GB CUDA build). megatron-core 0.19.2 declares Python >= 3.12 but its cp311 wheel works;
+# it is installed without its dependency resolution, plus the two packages it imports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY -m pip install --quiet --upgrade pip
+$PY -m pip install --quiet "torch==2.13.0"
+$PY -m pip install --quiet -e ".[dev]" "packaging>=24.2"
+if ! $PY -c "import megatron.core" >/dev/null 2>&1; then
+  wheel_dir=$(mktemp -d)
+  $PY -m pip download --quiet megatron-core==0.19.2 --no-deps --ignore-requires-python -d "$wheel_dir"
+  $PY -m pip install --quiet --no-deps --ignore-requires-python "$wheel_dir"/megatron_core-*.whl
+  rm -rf "$wheel_dir"
+fi
+$PY -m pip install --quiet triton
+$PY -c "import tokenloom, torch, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| megatron-core ready')"
