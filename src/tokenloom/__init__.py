@@ -3,7 +3,17 @@
 plan -> tokenize -> build -> serve. Importing tokenloom never imports torch or jax.
 """
 
+from tokenloom import plan  # the module, callable as tokenloom.plan(...)
 from tokenloom.errors import BuildError, ConfigError, FormatError, InputError, TokenloomError
+from tokenloom.plan import (
+    ClusterSpec,
+    DataGeometry,
+    ModelSpec,
+    Plan,
+    PlanOptions,
+    TrainingSpec,
+    plan_layout,
+)
 
 __version__ = "0.1.0"
 
@@ -14,4 +24,12 @@ __all__ = [
     "ConfigError",
     "InputError",
     "BuildError",
+    "plan",
+    "plan_layout",
+    "Plan",
+    "ModelSpec",
+    "ClusterSpec",
+    "TrainingSpec",
+    "PlanOptions",
+    "DataGeometry",
 ]

@@ -114,6 +114,9 @@ def _optional_subcommands():
     for module_name, function_name in (
         ("tokenloom._cli_tokenize", "add_tokenize_parser"),
         ("tokenloom._cli_plan", "add_plan_parser"),
+        ("tokenloom._cli_build", "add_build_parser"),
+        ("tokenloom._cli_build", "add_cache_parser"),
+        ("tokenloom._cli_serve", "add_audit_parser"),
     ):
         try:
             module = __import__(module_name, fromlist=[function_name])
