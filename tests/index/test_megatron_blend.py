@@ -1,0 +1,151 @@
+"""megatron_blend against megatron-core's own C++ greedy, on hypothesis-generated weights."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenloom.errors import ConfigError
+from tokenloom.index import megatron_blend as mb
+
+helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def megatron(weights, size):
+    """megatron-core's build_blending_indices, called the way BlendedDataset calls it."""
+    weights = np.asarray(weights, dtype=np.float64)
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    helpers_cpp.build_blending_indices(dataset_index, dataset_sample_index, weights, len(weights), size, False)
+    return dataset_index, dataset_sample_index
+
+
+def megatron_exhaustive(sizes):
+    sizes = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    dataset_index = np.zeros(total, dtype=np.int16)
+    dataset_sample_index = np.zeros(total, dtype=np.int64)
+    helpers_cpp.build_exhaustive_blending_indices(dataset_index, dataset_sample_index, sizes, len(sizes))
+    return dataset_index, dataset_sample_index
+
+
+@contextlib.contextmanager
+def scan_limit(num_datasets: int):
+    """Route blends of up to ``num_datasets`` datasets to the plain scan, the rest to the pool."""
+    saved = mb._SCAN_DATASETS
+    mb._SCAN_DATASETS = num_datasets
+    try:
+        yield
+    finally:
+        mb._SCAN_DATASETS = saved
+
+
+#: both kernels: the pool for every blend, then the plain scan for every blend
+KERNEL_CHOICES = (0, 10**9)
+
+
+def assert_same(ours, theirs):
+    assert ours[0].dtype == theirs[0].dtype and ours[1].dtype == theirs[1].dtype
+    mismatch = np.flatnonzero((ours[0] != theirs[0]) | (ours[1] != theirs[1]))
+    assert mismatch.size == 0, f"first difference at sample {mismatch[:1]}"
+
+
+@st.composite
+def weight_vectors(draw, max_datasets=60):
+    """Skewed, tiny, tied, equal and plain weights, normalised as megatron does, or raw."""
+    d = draw(st.integers(1, max_datasets))
+    kind = draw(st.sampled_from(["uniform", "tiny", "ties", "equal", "skewed", "integers"]))
+    if kind == "uniform":
+        w = draw(st.lists(st.floats(1e-6, 1.0), min_size=d, max_size=d))
+    elif kind == "tiny":
+        w = draw(st.lists(st.sampled_from([0.0, 1e-300, 1e-12, 1e-7, 0.3, 1.0, 5e-4]), min_size=d, max_size=d))
+    elif kind == "ties":
+        pool = draw(st.lists(st.floats(1e-3, 1.0), min_size=1, max_size=3))
+        w = draw(st.lists(st.sampled_from(pool), min_size=d, max_size=d))
+    elif kind == "equal":
+        w = [1.0] * d
+    elif kind == "skewed":
+        w = [draw(st.floats(0.5, 1.0)) * 10.0 ** -draw(st.integers(0, 9)) for _ in range(d)]
+    else:
+        w = draw(st.lists(st.integers(1, 5), min_size=d, max_size=d))
+    w = np.array(w, dtype=np.float64)
+    if not np.any(w > 0):
+        w[0] = 1.0  # megatron-core needs one positive weight to make sense
+    if draw(st.booleans()):
+        w = w / np.sum(w)  # megatron-core's normalize
+    return w
+
+
+@SETTINGS
+@given(weights=weight_vectors(), size=st.integers(0, 6000))
+def test_identical_to_megatron_core(weights, size):
+    theirs = megatron(weights, size)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice):
+            assert_same(mb.megatron_blend(weights, size), theirs)
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=40))
+def test_exhaustive_identical_to_megatron_core(sizes):
+    theirs = megatron_exhaustive(sizes)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice):
+            assert_same(mb.megatron_exhaustive_blend(sizes), theirs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_long_run_with_adaptation_and_far_events(seed):
+    """Long enough for theta to adapt many times and for tiny weights to be parked past the ring."""
+    rng = np.random.default_rng(seed)
+    weights = np.concatenate([rng.random(180), rng.random(20) * 1e-5])
+    weights /= weights.sum()
+    size = 200_000
+    assert_same(mb.megatron_blend(weights, size), megatron(weights, size))
+
+
+def test_exhaustive_long_run():
+    rng = np.random.default_rng(2)
+    sizes = rng.integers(1, 4000, size=300)
+    assert_same(mb.megatron_exhaustive_blend(sizes), megatron_exhaustive(sizes))
+
+
+def test_one_dataset_and_the_megatron_limit():
+    assert_same(mb.megatron_blend([1.0], 1000), megatron([1.0], 1000))
+    rng = np.random.default_rng(3)
+    weights = rng.random(mb.MEGATRON_MAX_DATASETS)
+    weights /= weights.sum()
+    assert_same(mb.megatron_blend(weights, 4000), megatron(weights, 4000))
+
+
+@settings(max_examples=8, deadline=None)
+@given(weights=weight_vectors(max_datasets=30), size=st.integers(0, 2500))
+def test_python_backend_matches_compiled_and_reference(weights, size):
+    reference = mb._reference_megatron_blend(weights, size)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice):
+            compiled = mb.megatron_blend(weights, size)
+            assert np.array_equal(compiled[0], reference[0]) and np.array_equal(compiled[1], reference[1])
+            if "numba" in mb.BACKENDS:
+                assert_same(mb.megatron_blend(weights, size, backend="python"), compiled)
+
+
+def test_rejects_what_megatron_cannot_blend():
+    with pytest.raises(ConfigError, match="dataset 1"):
+        mb.megatron_blend([0.5, float("nan")], 10)
+    with pytest.raises(ConfigError, match="dataset 0"):
+        mb.megatron_blend([-1.0, 2.0], 10)
+    with pytest.raises(ConfigError, match="empty"):
+        mb.megatron_blend([], 10)
+    with pytest.raises(ConfigError, match="32766"):
+        mb.megatron_blend(np.ones(32767), 10)
+    with pytest.raises(ConfigError, match="dataset 2"):
+        mb.megatron_exhaustive_blend([3, 4, 0])
+    ids, _ = mb.megatron_blend(np.ones(32767), 10, allow_beyond_megatron=True)
+    assert ids.dtype == np.int32 and list(ids) == list(range(10))
