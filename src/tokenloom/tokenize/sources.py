@@ -1,0 +1,522 @@
+"""Input discovery and readers: files, directories and globs of JSONL, Parquet and text.
+
+Reading is split in two so the expensive half runs in worker processes:
+
+* ``read_chunks`` (main process) streams a file as ``RawChunk`` s: blobs of whole lines for
+  JSONL and line-per-document text, a whole file for document-per-file text, an Arrow
+  array slice for Parquet. It only reads and decompresses (gzip, zstd by extension).
+* ``parse_chunk`` (worker) decodes UTF-8, parses JSON and picks the text field, returning
+  the texts with their line numbers plus a ``BadRecord`` for every record it could not use.
+
+``iter_records`` joins the two for callers that just want ``Record(path, line_number, text)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import zlib
+from glob import glob
+from typing import Any, BinaryIO, Iterator, Sequence
+
+from tokenloom.errors import ConfigError, InputError
+
+INPUT_FORMATS = ("auto", "jsonl", "parquet", "text")
+"""``auto`` picks the format of each file from its extension (``EXTENSION_FORMATS``)."""
+
+EXTENSION_FORMATS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+}
+"""File extension (after any compression suffix) -> input format."""
+
+COMPRESSION_EXTENSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+BAD_RECORD_REASONS = (
+    "invalid_utf8",
+    "invalid_unicode",
+    "malformed_json",
+    "not_an_object",
+    "missing_key",
+    "not_a_string",
+)
+"""Why a record can be rejected; the keys of ``TokenizeSummary.skipped``."""
+
+_SIDECAR_SUFFIX = ".meta.json"  # token store sidecars are not inputs, though they end in .json
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InputFile:
+    """One input file and how to read it."""
+
+    path: str
+    """The path as discovered (relative paths stay relative)."""
+
+    format: str
+    """``"jsonl"``, ``"parquet"`` or ``"text"``."""
+
+    compression: str | None
+    """``"gzip"``, ``"zstd"`` or None, from the file extension."""
+
+    size_bytes: int
+    """Size on disk (compressed), used for progress."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Record:
+    """One document's text and where it came from."""
+
+    path: str
+    line_number: int
+    """1-based line (JSONL, text) or row (Parquet) of the record; 1 for a whole-file document."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BadRecord:
+    """A record that could not be used, with a message naming the file and line."""
+
+    path: str
+    line_number: int
+    reason: str
+    """One of ``BAD_RECORD_REASONS``."""
+
+    message: str
+    """``"{path}:{line}: what was wrong"`` (``row`` instead of a line for Parquet)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RawChunk:
+    """Unparsed records read from one file: the unit the main process hands to a worker."""
+
+    path: str
+    kind: str
+    """``"jsonl"`` / ``"lines"`` (payload: bytes of whole lines), ``"document"`` (payload:
+    a whole file's bytes), ``"parquet"`` (payload: a pyarrow string or binary array)."""
+
+    first_line: int
+    """1-based line or row number of the payload's first line or row."""
+
+    payload: Any
+    num_bytes: int
+    """Payload size in bytes (text, before tokenizing), used to size worker batches."""
+
+    input_bytes_done: int
+    """Bytes of the file on disk consumed once this chunk is read (for progress)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParsedChunk:
+    """What ``parse_chunk`` made of a ``RawChunk``."""
+
+    texts: list[str]
+    line_numbers: list[int]
+    """(len(texts),) line or row number of each text."""
+
+    bad: list[BadRecord]
+
+
+# -- discovery ------------------------------------------------------------------------------------
+def _split_extension(path: str) -> tuple[str, str | None]:
+    """(format extension, compression) of a path, e.g. ('.jsonl', 'zstd') for x.jsonl.zst."""
+    base, ext = os.path.splitext(path.lower())
+    compression = COMPRESSION_EXTENSIONS.get(ext)
+    if compression is not None:
+        ext = os.path.splitext(base)[1]
+    return ext, compression
+
+
+def detect_format(path: str, input_format: str = "auto") -> tuple[str | None, str | None]:
+    """(format, compression) of ``path``; format None when ``auto`` cannot tell."""
+    ext, compression = _split_extension(path)
+    if input_format != "auto":
+        return input_format, compression
+    return EXTENSION_FORMATS.get(ext), compression
+
+
+def _walk_directory(directory: str, input_format: str) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or name.endswith(_SIDECAR_SUFFIX):
+                continue
+            path = os.path.join(root, name)
+            if detect_format(path, input_format)[0] is not None:
+                found.append(path)
+    if not found:
+        raise InputError(
+            f"{directory}: directory holds no input files (extensions "
+            f"{sorted(EXTENSION_FORMATS)}, optionally + .gz/.zst); name the format to read "
+            "every file in it"
+        )
+    return found
+
+
+def _expand(pattern: str, input_format: str) -> list[str]:
+    if os.path.isfile(pattern):
+        return [pattern]
+    if os.path.isdir(pattern):
+        return _walk_directory(pattern, input_format)
+    if not any(c in pattern for c in "*?["):
+        raise InputError(f"input {pattern!r}: no such file or directory")
+    paths = []
+    for hit in sorted(glob(pattern, recursive=True)):
+        if os.path.isdir(hit):
+            paths.extend(_walk_directory(hit, input_format))
+        elif os.path.isfile(hit):
+            paths.append(hit)
+    if not paths:
+        raise InputError(f"input pattern {pattern!r} matches no file")
+    return paths
+
+
+def discover_inputs(patterns: Sequence[str], *, input_format: str = "auto") -> list[InputFile]:
+    """Expand files, directories (recursively) and globs into a deterministic file list.
+
+    Order: the patterns in the order given, each expanded in sorted path order; a file named
+    twice is read once. Directories contribute files with a known extension (every file when
+    ``input_format`` is not ``auto``), skipping hidden names and token store sidecars
+    (``*.meta.json``). An explicitly named file with an
+    unknown extension is read as text. Raises InputError for a path that matches nothing.
+    """
+    if input_format not in INPUT_FORMATS:
+        raise ConfigError(f"input format {input_format!r}, expected one of {INPUT_FORMATS}")
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [patterns]
+    if not patterns:
+        raise InputError("no inputs given; expected files, directories or glob patterns")
+    seen: set[str] = set()
+    inputs = []
+    for pattern in patterns:
+        for path in _expand(os.fspath(pattern), input_format):
+            key = os.path.realpath(path)
+            if key in seen:
+                continue
+            seen.add(key)
+            fmt, compression = detect_format(path, input_format)
+            fmt = fmt or "text"
+            if fmt == "parquet" and compression is not None:
+                raise InputError(
+                    f"{path}: a Parquet file cannot be {compression}-compressed as a whole; "
+                    "Parquet compresses its column chunks itself"
+                )
+            inputs.append(
+                InputFile(path=path, format=fmt, compression=compression, size_bytes=os.path.getsize(path))
+            )
+    return inputs
+
+
+# -- reading (main process) -----------------------------------------------------------------------
+def open_binary(raw: BinaryIO, compression: str | None) -> BinaryIO:
+    """A binary stream over ``raw`` that decompresses ``gzip`` or ``zstd`` transparently."""
+    if compression is None:
+        return raw
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    raise ConfigError(f"compression {compression!r}, expected one of {sorted(set(COMPRESSION_EXTENSIONS.values()))}")
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+def _read_line_blobs(source: InputFile, kind: str, chunk_bytes: int) -> Iterator[RawChunk]:
+    with open(source.path, "rb") as raw:
+        stream = open_binary(raw, source.compression)
+        buffer = bytearray()
+        line = 1
+        while True:
+            block = stream.read(max(chunk_bytes, 1))
+            if block:
+                buffer += block
+                cut = buffer.rfind(b"\n") + 1
+            else:
+                cut = len(buffer)
+            if cut:
+                blob = bytes(buffer[:cut])
+                del buffer[:cut]
+                yield RawChunk(
+                    path=source.path,
+                    kind=kind,
+                    first_line=line,
+                    payload=blob,
+                    num_bytes=len(blob),
+                    input_bytes_done=raw.tell(),
+                )
+                line += blob.count(b"\n")
+            if not block:
+                return
+
+
+def _read_document(source: InputFile) -> Iterator[RawChunk]:
+    with open(source.path, "rb") as raw:
+        data = open_binary(raw, source.compression).read()
+    yield RawChunk(
+        path=source.path,
+        kind="document",
+        first_line=1,
+        payload=data,
+        num_bytes=len(data),
+        input_bytes_done=source.size_bytes,
+    )
+
+
+def _require_pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ConfigError(
+            "reading Parquet needs pyarrow; install it with: pip install 'tokenloom[parquet]'"
+        ) from exc
+    return pyarrow
+
+
+def _read_parquet(source: InputFile, column: str, chunk_bytes: int) -> Iterator[RawChunk]:
+    pa = _require_pyarrow()
+    try:
+        parquet = pa.parquet.ParquetFile(source.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{source.path}: not a readable Parquet file: {exc}") from exc
+    schema = parquet.schema_arrow
+    if column not in schema.names:
+        raise InputError(
+            f"{source.path}: no column {column!r}; the file has columns {schema.names}"
+        )
+    kind = schema.field(column).type
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    ):
+        raise InputError(
+            f"{source.path}: column {column!r} has type {kind}, expected a string column"
+        )
+    metadata = parquet.metadata
+    column_index = schema.names.index(column)
+    total_rows = max(metadata.num_rows, 1)
+    row = 1
+    for group in range(metadata.num_row_groups):
+        group_meta = metadata.row_group(group)
+        if group_meta.num_rows == 0:
+            continue
+        group_bytes = group_meta.column(column_index).total_uncompressed_size
+        rows_per_batch = max(1, int(group_meta.num_rows * chunk_bytes // max(group_bytes, 1)))
+        for batch in parquet.iter_batches(batch_size=rows_per_batch, row_groups=[group], columns=[column]):
+            array = batch.column(0)
+            yield RawChunk(
+                path=source.path,
+                kind="parquet",
+                first_line=row,
+                payload=array,
+                num_bytes=int(array.nbytes),
+                input_bytes_done=source.size_bytes * (row - 1 + len(array)) // total_rows,
+            )
+            row += len(array)
+
+
+def read_chunks(
+    source: InputFile, *, lines: bool = False, column: str = "text", chunk_bytes: int = 1 << 20
+) -> Iterator[RawChunk]:
+    """Stream ``source`` as raw chunks of about ``chunk_bytes`` (see the module docstring).
+
+    ``lines`` makes a text file one document per non-blank line instead of one per file;
+    ``column`` is the Parquet column holding the text.
+    """
+    try:
+        if source.format == "jsonl":
+            yield from _read_line_blobs(source, "jsonl", chunk_bytes)
+        elif source.format == "text":
+            yield from (_read_line_blobs(source, "lines", chunk_bytes) if lines else _read_document(source))
+        elif source.format == "parquet":
+            yield from _read_parquet(source, column, chunk_bytes)
+        else:
+            raise ConfigError(f"{source.path}: input format {source.format!r}, expected jsonl, parquet or text")
+    except _decompression_errors() as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise InputError(f"{source.path}: input file disappeared while reading") from exc
+        raise InputError(
+            f"{source.path}: cannot read ({source.compression or 'uncompressed'}): {exc}; "
+            "is the file truncated or compressed differently from its extension?"
+        ) from exc
+
+
+# -- parsing (worker) -----------------------------------------------------------------------------
+def _lookup(obj: dict, key: str, parts: list[str]) -> tuple[bool, Any]:
+    if key in obj:
+        return True, obj[key]
+    value: Any = obj
+    for part in parts:
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _split_lines(blob: bytes) -> list[bytes] | list[str]:
+    """The blob's lines, decoded in one go when the whole blob is valid UTF-8."""
+    try:
+        return blob.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        return blob.split(b"\n")
+
+
+def _utf8_error(path: str, where: str, data: bytes, start: int, unit: str) -> str:
+    """``path:where: invalid UTF-8 at byte N of the <unit> (b'...')``."""
+    return f"{path}:{where}: invalid UTF-8 at byte {start} of the {unit} ({data[start:start + 4]!r})"
+
+
+def parse_chunk(chunk: RawChunk, *, text_key: str = "text", first_bad_only: bool = False) -> ParsedChunk:
+    """Turn a raw chunk into texts; records that cannot be used become ``BadRecord`` s.
+
+    Blank lines are not records and are skipped silently. With ``first_bad_only`` parsing
+    stops at the first bad record (the caller will raise it anyway).
+    """
+    texts: list[str] = []
+    numbers: list[int] = []
+    bad: list[BadRecord] = []
+    path = chunk.path
+
+    def reject(number: int, reason: str, message: str) -> bool:
+        bad.append(BadRecord(path=path, line_number=number, reason=reason, message=message))
+        return first_bad_only
+
+    if chunk.kind == "document":
+        try:
+            texts.append(chunk.payload.decode("utf-8"))
+            numbers.append(1)
+        except UnicodeDecodeError as exc:
+            line = chunk.payload.count(b"\n", 0, exc.start) + 1
+            line_start = chunk.payload.rfind(b"\n", 0, exc.start) + 1
+            message = _utf8_error(path, f"{line}", chunk.payload[line_start:], exc.start - line_start, "line")
+            reject(line, "invalid_utf8", message)
+        return ParsedChunk(texts=texts, line_numbers=numbers, bad=bad)
+
+    if chunk.kind == "parquet":
+        for offset, value in enumerate(chunk.payload.to_pylist()):
+            number = chunk.first_line + offset
+            if isinstance(value, bytes):
+                try:
+                    value = value.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    if reject(number, "invalid_utf8", _utf8_error(path, f"row {number}", value, exc.start, "value")):
+                        break
+                    continue
+            if value is None:
+                if reject(number, "not_a_string", f"{path}:row {number}: the text is null"):
+                    break
+                continue
+            texts.append(value)
+            numbers.append(number)
+        return ParsedChunk(texts=texts, line_numbers=numbers, bad=bad)
+
+    is_json = chunk.kind == "jsonl"
+    parts = text_key.split(".")
+    for offset, line in enumerate(_split_lines(chunk.payload)):
+        if not line or line.isspace():
+            continue
+        number = chunk.first_line + offset
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if reject(number, "invalid_utf8", _utf8_error(path, f"{number}", line, exc.start, "line")):
+                    break
+                continue
+        if not is_json:
+            texts.append(line[:-1] if line.endswith("\r") else line)
+            numbers.append(number)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if reject(number, "malformed_json", f"{path}:{number}: malformed JSON: {exc.msg} at column {exc.colno}"):
+                break
+            continue
+        if not isinstance(obj, dict):
+            if reject(number, "not_an_object", f"{path}:{number}: expected a JSON object, got {_json_type(obj)}"):
+                break
+            continue
+        found, value = _lookup(obj, text_key, parts)
+        if not found:
+            keys = sorted(obj)[:8]
+            if reject(number, "missing_key", f"{path}:{number}: no key {text_key!r} in the object (its keys: {keys})"):
+                break
+            continue
+        if not isinstance(value, str):
+            if reject(number, "not_a_string", f"{path}:{number}: {text_key!r} is {_json_type(value)}, expected a string"):
+                break
+            continue
+        texts.append(value)
+        numbers.append(number)
+    return ParsedChunk(texts=texts, line_numbers=numbers, bad=bad)
+
+
+def iter_records(
+    source: InputFile, *, text_key: str = "text", lines: bool = False, column: str = "text",
+    skip_bad: bool = False,
+) -> Iterator[Record]:
+    """Yield every usable record of ``source`` in order; InputError on the first bad one
+    unless ``skip_bad``. Texts are not checked for lone surrogates here (the tokenizer is)."""
+    for chunk in read_chunks(source, lines=lines, column=column):
+        parsed = parse_chunk(chunk, text_key=text_key, first_bad_only=not skip_bad)
+        if parsed.bad and not skip_bad:
+            first_bad = parsed.bad[0].line_number
+            for text, number in zip(parsed.texts, parsed.line_numbers):
+                if number < first_bad:
+                    yield Record(path=source.path, line_number=number, text=text)
+            raise InputError(parsed.bad[0].message)
+        for text, number in zip(parsed.texts, parsed.line_numbers):
+            yield Record(path=source.path, line_number=number, text=text)
+
+
+__all__ = [
+    "BAD_RECORD_REASONS",
+    "EXTENSION_FORMATS",
+    "INPUT_FORMATS",
+    "BadRecord",
+    "InputFile",
+    "ParsedChunk",
+    "RawChunk",
+    "Record",
+    "detect_format",
+    "discover_inputs",
+    "iter_records",
+    "open_binary",
+    "parse_chunk",
+    "read_chunks",
+]
