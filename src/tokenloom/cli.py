@@ -94,6 +94,26 @@ def _run_merge(args) -> int:
     return 0
 
 
+# -- demo ------------------------------------------------------------------------------------------
+def _add_demo(subparsers) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="the main job end to end on text every Python installation has",
+        description="Tokenize the standard library's sources and pydoc topics into token stores, "
+        "then run the later stages on them, printing what each produced.",
+    )
+    p.add_argument("--output", "-o", default="tokenloom-demo", metavar="DIR", help="where to write (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer worker processes (default: one per core)")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from tokenloom.demo import run_demo
+
+    run_demo(args.output, workers=args.workers)
+    return 0
+
+
 # -- the parser ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -128,7 +148,7 @@ def _optional_subcommands():
     return adders
 
 
-_SUBCOMMANDS = [*_optional_subcommands(), _add_inspect, _add_merge]
+_SUBCOMMANDS = [*_optional_subcommands(), _add_inspect, _add_merge, _add_demo]
 
 
 def main(argv: list[str] | None = None) -> int:
