@@ -16,14 +16,15 @@ network over ``bits``-bit integers, made to fit ``[0, size)`` by cycle walking:
       lo = x & (2**w_r - 1);  hi = x >> w_r;  h = bits - w_r
       x  = (lo << h) | ((hi + fmix64(lo ^ key_r)) mod 2**h)
 
-  (all arithmetic on uint64, wrapping). Each round is a bijection of ``[0, 2**bits)`` whatever the widths, so the network
-  is one too. ``fmix64`` is the MurmurHash3 64-bit finaliser (a bijective mixer).
+  (all arithmetic on uint64, wrapping). Each round is a bijection of ``[0, 2**bits)``
+  whatever the widths, so the network is one too. ``fmix64`` is the MurmurHash3 64-bit finaliser (a bijective mixer).
   Modular addition, not xor, mixes the high part: xor-only networks are always even
   permutations of the domain, a bias visible in small domains. ``rounds`` is 8 for
   ``bits <= 16`` and 4 above (:func:`default_rounds`).
 * Cycle walking: apply the network until the value falls inside ``[0, size)``. The
-  restriction of a bijection to the walk is a bijection of ``[0, size)``; the
-  expected number of network evaluations per index is ``2**bits / size < 2``.
+  restriction of a bijection to the walk is a bijection of ``[0, size)``; on average
+  an index takes ``2**bits / size`` network passes (below 2 once ``size > 128``), and a
+  whole permutation at most ``2**bits`` passes in all.
 
 Round keys come from ``hashlib.blake2b`` over a canonical byte string naming the
 seed, the purpose, the epoch and the size (see :func:`derive_round_keys`), so a
@@ -46,10 +47,10 @@ from tokenloom.errors import ConfigError
 
 __all__ = [
     "LARGE_DOMAIN_ROUNDS",
-    "SMALL_DOMAIN_ROUNDS",
-    "default_rounds",
     "MAX_SIZE",
+    "SMALL_DOMAIN_ROUNDS",
     "FeistelPermutation",
+    "default_rounds",
     "derive_round_keys",
     "feistel_bits",
     "fmix64",

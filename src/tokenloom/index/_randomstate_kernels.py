@@ -1,0 +1,113 @@
+"""numba kernels behind :mod:`tokenloom.index.randomstate_shuffle` (imports numba).
+
+MT19937 as numpy implements it (generate 624 words at a time, temper each output), numpy's
+``random_interval`` (masked rejection; 64-bit draws take the high word first), and a Fisher-Yates
+pass that makes a block of draws before doing that block's swaps.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+MT_STATE_WORDS = 624
+"""MT19937 state size in 32-bit words."""
+MT_SHIFT = 397
+_UPPER = np.uint32(0x80000000)
+_LOWER = np.uint32(0x7FFFFFFF)
+_MATRIX = np.uint32(0x9908B0DF)
+_ONE = np.uint32(1)
+_ZERO = np.uint32(0)
+
+
+@numba.njit(inline="always")
+def _twist(key, i, successor, source):
+    y = (key[i] & _UPPER) | (key[successor] & _LOWER)
+    key[i] = key[source] ^ (y >> _ONE) ^ ((_ZERO - (y & _ONE)) & _MATRIX)
+
+
+@numba.njit(inline="always")
+def _regenerate(key):
+    """The next 624 words of the state, in place."""
+    for i in range(MT_STATE_WORDS - MT_SHIFT):
+        _twist(key, i, i + 1, i + MT_SHIFT)
+    for i in range(MT_STATE_WORDS - MT_SHIFT, MT_STATE_WORDS - 1):
+        _twist(key, i, i + 1, i + MT_SHIFT - MT_STATE_WORDS)
+    _twist(key, MT_STATE_WORDS - 1, 0, MT_SHIFT - 1)
+
+
+@numba.njit(inline="always")
+def _next_word(key, index):
+    """(tempered output, next index); ``index`` 624 means the state must be regenerated first."""
+    if index == MT_STATE_WORDS:
+        _regenerate(key)
+        index = 0
+    y = key[index]
+    y ^= y >> np.uint32(11)
+    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+    y ^= y >> np.uint32(18)
+    return y, index + 1
+
+
+@numba.njit(inline="always")
+def _interval(key, index, largest):
+    """(uniform draw in ``[0, largest]`` by masked rejection as numpy's ``random_interval``,
+    next index)."""
+    if largest == np.uint64(0):
+        return np.uint64(0), index  # no draw at all
+    mask = largest
+    mask |= mask >> np.uint64(1)
+    mask |= mask >> np.uint64(2)
+    mask |= mask >> np.uint64(4)
+    mask |= mask >> np.uint64(8)
+    mask |= mask >> np.uint64(16)
+    mask |= mask >> np.uint64(32)
+    if largest <= np.uint64(0xFFFFFFFF):
+        word, index = _next_word(key, index)
+        value = np.uint64(word) & mask
+        while value > largest:
+            word, index = _next_word(key, index)
+            value = np.uint64(word) & mask
+    else:  # 64-bit draws take the high word first
+        high, index = _next_word(key, index)
+        low, index = _next_word(key, index)
+        value = ((np.uint64(high) << np.uint64(32)) | np.uint64(low)) & mask
+        while value > largest:
+            high, index = _next_word(key, index)
+            low, index = _next_word(key, index)
+            value = ((np.uint64(high) << np.uint64(32)) | np.uint64(low)) & mask
+    return value, index
+
+
+@numba.njit(nogil=True, cache=True)
+def shuffle(array, key, position, block):
+    """Fisher-Yates from the end, as RandomState.shuffle; draws made a block ahead of swaps.
+    ``position[0]`` is the generator's word index, read at the start and written at the end."""
+    draws = np.empty(block, dtype=np.int64)  # (block,) the partner index of each step
+    index = position[0]
+    i = array.shape[0] - 1
+    while i >= 1:
+        count = min(block, i)
+        for step in range(count):
+            value, index = _interval(key, index, np.uint64(i - step))
+            draws[step] = np.int64(value)
+        for step in range(count):
+            target = i - step
+            other = draws[step]
+            swapped = array[other]
+            array[other] = array[target]
+            array[target] = swapped
+        i -= count
+    position[0] = index
+
+
+@numba.njit(nogil=True, cache=True)
+def intervals(key, position, largest, count):
+    """``count`` draws in ``[0, largest]``."""
+    out = np.empty(count, dtype=np.uint64)
+    index = position[0]
+    for k in range(count):
+        out[k], index = _interval(key, index, largest)
+    position[0] = index
+    return out

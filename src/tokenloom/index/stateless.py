@@ -1,0 +1,519 @@
+"""The stateless packed-sample index: Megatron's sample semantics without per-sample arrays.
+
+Samples are the same as :mod:`tokenloom.index.megatron_gpt`'s (windows of ``seq_length``
+tokens plus the shared extra label token, packed across documents, over the epochs that
+:func:`tokenloom.index.packing.plan_epochs` asks for); only the order comes from elsewhere:
+
+* Documents: epoch ``e`` visits the split's documents in the order of a keyed Feistel
+  permutation ``P_e`` (:mod:`tokenloom.index.feistel`, purpose ``"documents"``, epoch ``e``):
+  position ``p`` of epoch ``e`` (global position ``e * num_documents + p``) holds document
+  ``document_ids[P_e(p)]``. Every epoch is shuffled on its own, so the final epoch is
+  always apart from the others.
+* Samples: sample ``i`` is served from packed sample ``Q(i)``; ``Q`` is a Feistel permutation
+  (purpose ``"samples"``) of all samples, or, when megatron-core would shuffle a short final
+  epoch apart, of ``[0, A)`` followed by one of ``[A, S)`` (purpose ``"samples.final"``,
+  shifted by ``A``), with ``A = plan.num_samples_sans_final_epoch``.
+* Sample boundaries: the only array is ``block_token_starts``, the global token at which
+  every block of ``block_size`` consecutive positions starts (8 bytes per ``block_size``
+  documents per epoch). Packed sample ``k >= 1`` starts in the document at the global
+  position ``j`` with ``C_j < k * seq_length + extra <= C_{j+1}`` (``C_j``: tokens before
+  position ``j``), found by a search over the blocks and a walk of at most ``block_size``
+  documents (from the nearer end of the block), evaluating ``P_e`` on the way. Sample 0
+  starts at ``(0, 0)``.
+
+Kernels come in two backends with identical results: numba (the ``[fast]`` extra) and numpy.
+The tests hold a slow packer that spells out every token as the reference.
+
+This is exactly the ``(position, offset)`` megatron-core's ``build_sample_idx`` records, so
+:meth:`StatelessGPTIndex.to_arrays` can hand Megatron-shaped arrays to anyone who wants them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.index.feistel import (
+    MAX_SIZE,
+    FeistelPermutation,
+    default_rounds,
+    derive_round_keys,
+    feistel_bits,
+    numba_available,
+    resolve_backend,
+)
+from tokenloom.index.megatron_gpt import GPTIndices, TokenReader, build_sample_index, shuffle_index_dtype
+from tokenloom.index.packing import EpochPlan, plan_epochs
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "SampleSpans",
+    "StatelessGPTIndex",
+    "build_stateless_gpt_index",
+]
+
+#: Documents per block of the prefix sums (a power of two): half a byte per document per
+#: epoch, and a walk of at most 16 documents per sample lookup.
+DEFAULT_BLOCK_SIZE = 16
+DOCUMENT_PURPOSE = "documents"
+SAMPLE_PURPOSE = "samples"
+FINAL_SAMPLE_PURPOSE = "samples.final"
+_CHUNK_POSITIONS = 1 << 16  # positions per chunk of the numpy build
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class SampleSpans:
+    """The document pieces of a batch of samples, flattened (CSR layout).
+
+    Sample ``k`` of the batch is ``pieces[bounds[k]:bounds[k + 1]]``; its pieces are the
+    documents megatron-core's ``GPTDataset`` reads for it, empty documents included.
+    """
+
+    bounds: np.ndarray
+    """(num_queried + 1,) int64: where each sample's pieces begin in the arrays below."""
+    document_ids: np.ndarray
+    """(num_pieces,) int64: the store's document id of each piece."""
+    offsets: np.ndarray
+    """(num_pieces,) int64: first token of each piece within its document."""
+    lengths: np.ndarray
+    """(num_pieces,) int64: tokens of each piece; a sample's pieces sum to seq_length + extra."""
+    positions: np.ndarray
+    """(num_pieces,) int64: each piece's global position (index into ``document_index``)."""
+
+
+if numba_available():
+    import numba
+
+    from tokenloom.index._stateless_numba import (
+        _block_sums_numba,
+        _block_sums_parallel_numba,
+        _docs_at_numba,
+        _is_consecutive_numba,
+        _pieces_numba,
+        _spans_pass1_numba,
+    )
+
+
+# ----------------------------------------------------------------------------- the index
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class StatelessGPTIndex:
+    """Packed GPT samples of one split, located on demand from block prefix sums.
+
+    Holds references to ``sequence_lengths`` and ``document_ids`` (no copies) and the
+    ``block_token_starts`` array; everything else is recomputed from the seed.
+    """
+
+    plan: EpochPlan
+    """Epoch arithmetic shared with the Megatron-exact index (tokens, epochs, final-epoch rule)."""
+    seed: int
+    """Seed of every permutation, in ``[0, 2**64)``."""
+    block_size: int
+    """Documents per block of the prefix sums (K)."""
+    rounds: int | None
+    """Feistel rounds of every permutation; None: :func:`~tokenloom.index.feistel.default_rounds`
+    of each permutation's size."""
+    backend: str
+    """``"numba"`` or ``"numpy"``: which kernels run; the results are identical."""
+    sequence_lengths: np.ndarray
+    """(num_documents_in_store,) integer: every document length of the token store."""
+    document_ids: np.ndarray | None
+    """(num_documents,) integer: the split's documents, or None for ``first_document_id + range``."""
+    first_document_id: int
+    """When ``document_ids`` is None: the split is documents ``first_document_id + [0, n)``."""
+    block_token_starts: np.ndarray
+    """(num_epochs * num_blocks + 1,) int64: global token where each block starts; last = all tokens."""
+    document_keys: np.ndarray
+    """(num_epochs, rounds) uint64: round keys of each epoch's document permutation."""
+
+    # -------------------------------------------------------------- sizes
+
+    @property
+    def num_samples(self) -> int:
+        """Packed samples in the index (megatron-core's ``len(dataset)``)."""
+        return self.plan.num_samples_in_index
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def num_documents(self) -> int:
+        """Documents per epoch."""
+        return self.plan.num_documents
+
+    @property
+    def num_blocks_per_epoch(self) -> int:
+        """Blocks of ``block_size`` positions in one epoch (the last one may be short)."""
+        return -(-self.num_documents // self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this index owns (the prefix sums and keys; the referenced inputs excluded)."""
+        return int(self.block_token_starts.nbytes + self.document_keys.nbytes)
+
+    @property
+    def sample_token_count(self) -> int:
+        """Tokens in every sample: ``seq_length + add_extra_token``."""
+        return self.plan.sample_num_tokens
+
+    # -------------------------------------------------------------- permutations
+
+    def document_permutation(self, epoch: int) -> FeistelPermutation:
+        """The permutation ``P_epoch`` of positions within epoch ``epoch``."""
+        if not 0 <= epoch < self.plan.num_epochs:
+            raise ConfigError(f"epoch={epoch!r}; expected 0 <= epoch < {self.plan.num_epochs}")
+        keys = tuple(int(k) for k in self.document_keys[epoch])
+        return FeistelPermutation(size=self.num_documents, round_keys=keys, backend=self.backend)
+
+    def _sample_parts(self) -> list[tuple[int, FeistelPermutation]]:
+        """(start, permutation) of each independently shuffled range of sample ids."""
+        total = self.num_samples
+        split_at = self.plan.num_samples_sans_final_epoch if self.plan.separate_final_epoch else total
+        parts = []
+        for start, stop, purpose in ((0, split_at, SAMPLE_PURPOSE), (split_at, total, FINAL_SAMPLE_PURPOSE)):
+            if stop > start:
+                parts.append((start, FeistelPermutation.from_seed(
+                    stop - start, seed=self.seed, purpose=purpose, rounds=self.rounds,
+                    backend=self.backend)))
+        return parts
+
+    def shuffle(self, sample_ids) -> np.ndarray:
+        """Packed sample served at each of ``sample_ids`` (megatron-core's ``shuffle_index[i]``)."""
+        ids = self._check_sample_ids(sample_ids)
+        out = np.empty_like(ids)
+        for start, perm in self._sample_parts():
+            inside = (ids >= start) & (ids < start + perm.size)
+            out[inside] = start + perm(ids[inside] - start)
+        return out
+
+    def _check_sample_ids(self, sample_ids) -> np.ndarray:
+        ids = np.asarray(sample_ids)
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise ConfigError(f"sample_ids has shape {ids.shape} and dtype {ids.dtype}; expected a 1-D integer array")
+        ids = ids.astype(np.int64, copy=False)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):
+            raise ConfigError(f"sample_ids span [{int(ids.min())}, {int(ids.max())}]; expected ids in "
+                              f"[0, {self.num_samples})")
+        return ids
+
+    # -------------------------------------------------------------- lookups
+
+    def _kernel_args(self) -> tuple:
+        ids = self.document_ids if self.document_ids is not None else np.zeros(1, dtype=np.int64)
+        return (self.sequence_lengths, ids, self.first_document_id, self.document_ids is None,
+                self.num_documents, self.block_size, feistel_bits(self.num_documents), self.document_keys)
+
+    def sample_bounds(self, packed_ids) -> tuple[np.ndarray, np.ndarray]:
+        """Begin and end ``(position, offset)`` rows of packed samples (no shuffle applied).
+
+        Row ``k`` of megatron-core's ``sample_index`` and row ``k + 1``: each ``(m, 2)`` int64.
+        """
+        ids = self._check_sample_ids(packed_ids)
+        return _BOUNDS[self.backend](self, ids)
+
+    def spans(self, sample_ids, *, shuffled: bool = True) -> SampleSpans:
+        """The document pieces of samples ``sample_ids`` (served order unless ``shuffled=False``)."""
+        ids = self._check_sample_ids(sample_ids)
+        packed = self.shuffle(ids) if shuffled else ids
+        return _SPANS[self.backend](self, packed)
+
+    def documents_at(self, positions) -> np.ndarray:
+        """Store document id at each global position of the (virtual) ``document_index``."""
+        positions = np.asarray(positions, dtype=np.int64)
+        total = self.plan.num_epochs * self.num_documents
+        if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= total):
+            raise ConfigError(f"positions span [{int(positions.min())}, {int(positions.max())}]; "
+                              f"expected positions in [0, {total})")
+        return _DOCS_AT[self.backend](self, positions)
+
+    def _document_lengths(self, document_ids: np.ndarray) -> np.ndarray:
+        return self.sequence_lengths[document_ids].astype(np.int64)
+
+    def read(self, reader: TokenReader, sample_id: int) -> np.ndarray:
+        """Tokens of sample ``sample_id`` (served order), read through ``reader.get``.
+
+        ``(seq_length + add_extra_token,) int64``, the same tokens megatron-core's
+        ``GPTDataset`` returns for this sample given :meth:`to_arrays`.
+        """
+        spans = self.spans(np.array([sample_id], dtype=np.int64))
+        parts = [np.asarray(reader.get(int(d), offset=int(o), length=int(n)))
+                 for d, o, n in zip(spans.document_ids, spans.offsets, spans.lengths)]
+        return np.concatenate(parts, dtype=np.int64)
+
+    # -------------------------------------------------------------- Megatron arrays
+
+    def to_arrays(self) -> GPTIndices:
+        """Megatron-shaped ``document_index``, ``sample_index``, ``shuffle_index`` (O(samples) memory).
+
+        ``sample_index`` is the walk of the shared Megatron kernel over this index's document
+        order; the tests check it against :meth:`sample_bounds` and megatron-core itself.
+        """
+        n = self.num_documents
+        document_index = np.empty(self.plan.num_epochs * n, dtype=np.int64)
+        everything = np.arange(n, dtype=np.int64)
+        for epoch in range(self.plan.num_epochs):
+            chosen = self.document_permutation(epoch)(everything)  # (n,) local ids
+            document_index[epoch * n:(epoch + 1) * n] = (
+                chosen + self.first_document_id if self.document_ids is None else self.document_ids[chosen])
+        if document_index.size == 0 or int(document_index.max()) <= np.iinfo(np.int32).max:
+            document_index = document_index.astype(np.int32)
+        sample_index = build_sample_index(self.sequence_lengths, document_index, self.plan)
+        shuffle_index = self.shuffle(np.arange(self.num_samples, dtype=np.int64))
+        shuffle_index = shuffle_index.astype(shuffle_index_dtype(self.num_samples))
+        return GPTIndices(document_index=document_index, sample_index=sample_index,
+                          shuffle_index=shuffle_index, plan=self.plan, seed=self.seed)
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _bounds_numba(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    begin = np.empty((len(packed), 2), dtype=np.int64)
+    end = np.empty((len(packed), 2), dtype=np.int64)
+    lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args()
+    _spans_pass1_numba(packed, index.plan.seq_length, int(index.plan.add_extra_token),
+                       index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size,
+                       bits, keys, begin, end)
+    return begin, end
+
+
+def _docs_at_numba_entry(index: StatelessGPTIndex, positions: np.ndarray) -> np.ndarray:
+    out = np.empty(len(positions), dtype=np.int64)
+    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args()
+    _docs_at_numba(positions, ids, first_id, contiguous, n, bits, keys, out)
+    return out
+
+
+def _spans_two_pass_numba(index: StatelessGPTIndex, packed: np.ndarray) -> SampleSpans:
+    """Rows first, then the pieces (re-permuting their few positions): faster than recording
+    pieces during the walk, whose stores keep the compiler from holding the walk in registers."""
+    begin, end = _bounds_numba(index, packed)
+    bounds = np.zeros(len(packed) + 1, dtype=np.int64)
+    np.cumsum(end[:, 0] - begin[:, 0] + 1, out=bounds[1:])  # pieces per sample, summed
+    total = int(bounds[-1])
+    docs, offsets, lengths_out, positions = (np.empty(total, dtype=np.int64) for _ in range(4))
+    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args()
+    _pieces_numba(begin, end, bounds, int(index.plan.add_extra_token), lengths, ids, first_id, contiguous, n,
+                  bits, keys, docs, offsets, lengths_out, positions)
+    return SampleSpans(bounds=bounds, document_ids=docs, offsets=offsets, lengths=lengths_out, positions=positions)
+
+
+def _spans_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> SampleSpans:
+    begin, end = _bounds_numpy(index, packed)
+    m = len(begin)
+    bounds = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(end[:, 0] - begin[:, 0] + 1, out=bounds[1:])  # pieces per sample, summed
+    counts = np.diff(bounds)
+    total = int(bounds[-1])
+    owner = np.repeat(np.arange(m), counts)  # (total,) sample of each piece
+    rank = np.arange(total, dtype=np.int64) - bounds[owner]  # (total,) piece within its sample
+    positions = begin[owner, 0] + rank
+    document_ids = _docs_at_numpy(index, positions)
+    lengths = index._document_lengths(document_ids)
+    offsets = np.where(rank == 0, begin[owner, 1], 0)
+    is_last = positions == end[owner, 0]
+    extra = int(index.plan.add_extra_token)
+    lengths = np.where(is_last, end[owner, 1] + extra, lengths) - offsets
+    return SampleSpans(bounds=bounds, document_ids=document_ids, offsets=offsets, lengths=lengths,
+                       positions=positions)
+
+
+def _local_at_numpy(index: StatelessGPTIndex, positions: np.ndarray) -> np.ndarray:
+    """Local document (0..n-1 within the split) at each global position."""
+    n = index.num_documents
+    epochs = positions // n
+    local = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        inside = epochs == epoch
+        local[inside] = index.document_permutation(int(epoch))(positions[inside] - epoch * n)
+    return local
+
+
+def _docs_at_numpy(index: StatelessGPTIndex, positions: np.ndarray) -> np.ndarray:
+    local = _local_at_numpy(index, positions)
+    if index.document_ids is None:
+        return local + index.first_document_id
+    return index.document_ids[local].astype(np.int64)
+
+
+def _bounds_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorised twin of the numba pass: block search, block walk, then a forward walk."""
+    seq_length, extra = index.plan.seq_length, int(index.plan.add_extra_token)
+    n, block_size = index.num_documents, index.block_size
+    num_blocks = index.num_blocks_per_epoch
+    m = len(packed)
+    begin = np.zeros((m, 2), dtype=np.int64)
+    cum = np.zeros(m, dtype=np.int64)  # tokens before each sample's begin position
+    later = packed > 0
+    q = packed[later] * seq_length + extra
+    beta = np.searchsorted(index.block_token_starts, q, side="left") - 1  # (m',) block
+    epochs = beta // num_blocks
+    first = (beta - epochs * num_blocks) * block_size  # (m',) first position of the block
+    rank = np.arange(block_size, dtype=np.int64)
+    local = first[:, None] + rank[None, :]  # (m', K) positions in the block
+    valid = local < n
+    global_pos = (epochs * n)[:, None] + np.minimum(local, n - 1)
+    lengths = index._document_lengths(_docs_at_numpy(index, global_pos.reshape(-1))).reshape(global_pos.shape)
+    lengths = np.where(valid, lengths, 0)
+    ends = index.block_token_starts[beta][:, None] + np.cumsum(lengths, axis=1)  # (m', K)
+    hit = np.argmax((ends >= q[:, None]) & valid, axis=1)  # first document reaching q
+    rows = np.arange(len(q))
+    begin[later, 0] = epochs * n + first + hit
+    cum[later] = ends[rows, hit] - lengths[rows, hit]
+    begin[:, 1] = packed * seq_length - cum
+    # forward walk to the end boundary, all samples in lockstep
+    position = begin[:, 0].copy()
+    q_end = (packed + 1) * seq_length + extra
+    active = np.arange(m)
+    while len(active):
+        length = index._document_lengths(_docs_at_numpy(index, position[active]))
+        done = cum[active] + length >= q_end[active]
+        moving = active[~done]
+        cum[moving] += length[~done]
+        position[moving] += 1
+        active = moving
+    end = np.stack([position, (packed + 1) * seq_length - cum], axis=1)
+    return begin, end
+
+
+_BOUNDS: dict[str, Callable[[StatelessGPTIndex, np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
+    "numpy": _bounds_numpy}
+_DOCS_AT: dict[str, Callable[[StatelessGPTIndex, np.ndarray], np.ndarray]] = {"numpy": _docs_at_numpy}
+_SPANS: dict[str, Callable[[StatelessGPTIndex, np.ndarray], SampleSpans]] = {"numpy": _spans_numpy}
+if numba_available():
+    _BOUNDS["numba"] = _bounds_numba
+    _DOCS_AT["numba"] = _docs_at_numba_entry
+    _SPANS["numba"] = _spans_two_pass_numba
+
+
+def _block_sums_numpy(lengths, document_ids, first_id, n, block_size, epoch_perms, out) -> None:
+    """out[e * num_blocks + b] = tokens of positions [b*K, (b+1)*K) of epoch e (gathered in chunks)."""
+    num_blocks = -(-n // block_size)
+    chunk = max(1, _CHUNK_POSITIONS // block_size) * block_size
+    for epoch, perm in enumerate(epoch_perms):
+        for first in range(0, n, chunk):
+            local = perm(np.arange(first, min(first + chunk, n), dtype=np.int64))  # (chunk,)
+            docs = local + first_id if document_ids is None else document_ids[local]
+            sums = np.add.reduceat(lengths[docs].astype(np.int64), np.arange(0, len(local), block_size))
+            start = epoch * num_blocks + first // block_size
+            out[start:start + len(sums)] = sums
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def _contiguous_start(document_ids: np.ndarray) -> int | None:
+    """``ids[0]`` when ``ids == ids[0] + arange(len(ids))``, else None (one pass, no temporaries)."""
+    if len(document_ids) == 0:
+        return None
+    start = int(document_ids[0])
+    if int(document_ids[-1]) != start + len(document_ids) - 1:
+        return None
+    if numba_available():
+        return start if _is_consecutive_numba(document_ids) else None
+    chunk = 1 << 20
+    for first in range(0, len(document_ids), chunk):
+        part = document_ids[first:first + chunk]
+        if not np.array_equal(part, np.arange(start + first, start + first + len(part))):
+            return None
+    return start
+
+
+def _count_tokens(lengths: np.ndarray, ids: np.ndarray | None, first_id: int, n: int) -> int:
+    """Tokens in the split, summed in chunks (no n-element temporary)."""
+    total, chunk = 0, 1 << 20
+    for first in range(0, n, chunk):
+        stop = min(first + chunk, n)
+        part = lengths[first_id + first:first_id + stop] if ids is None else lengths[ids[first:stop]]
+        total += int(np.sum(part, dtype=np.int64))
+    return total
+
+
+def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.ndarray | None, *,
+                              num_samples: int | None, seq_length: int, seed: int,
+                              add_extra_token: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
+                              rounds: int | None = None, backend: str = "auto",
+                              threads: int = 1) -> StatelessGPTIndex:
+    """Build the stateless index of one split: O(documents * epochs) work, O(that / block_size) memory.
+
+    ``sequence_lengths``: every document length of the token store (any integer dtype; not
+    copied). ``document_ids``: the split's documents, or None for all of them in order.
+    ``num_samples=None`` covers one epoch. ``seed`` in ``[0, 2**64)`` keys every permutation.
+    ``block_size`` (K) trades memory (8 / K bytes per document per epoch) for lookup work (a
+    walk of at most K documents). ``backend``: "auto", "numba" or "numpy" (identical results).
+    ``threads > 1`` (numba only) builds the prefix sums on that many threads (capped at numba's
+    thread count); one thread streams the documents instead, the fastest single-core order.
+    """
+    lengths = np.asarray(sequence_lengths)
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+        raise ConfigError(f"sequence_lengths has shape {lengths.shape} and dtype {lengths.dtype}; "
+                          "expected a 1-D integer array (a token store's document lengths)")
+    if lengths.size and int(lengths.min()) < 0:
+        raise ConfigError(f"sequence_lengths holds a negative length {int(lengths.min())}; expected lengths >= 0")
+    if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1
+            or block_size & (block_size - 1)):
+        raise ConfigError(f"block_size={block_size!r}; expected a power of two (1, 2, 4, ...) number of "
+                          "documents per block")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < (1 << 64):
+        raise ConfigError(f"seed={seed!r}; expected an integer in [0, 2**64)")
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise ConfigError(f"threads={threads!r}; expected a positive integer")
+    backend = resolve_backend(backend)
+    if document_ids is None:
+        ids, first_id = None, 0
+        num_documents = lengths.shape[0]
+    else:
+        ids = np.asarray(document_ids)
+        if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.size):
+            raise ConfigError(f"document_ids has shape {ids.shape} and dtype {ids.dtype}; expected a "
+                              "1-D integer array of document ids, or None for every document")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= lengths.shape[0]):
+            raise ConfigError(f"document_ids span [{int(ids.min())}, {int(ids.max())}]; expected ids in "
+                              f"[0, {lengths.shape[0]}) for a store of {lengths.shape[0]} documents")
+        num_documents = ids.shape[0]
+        start = _contiguous_start(ids)
+        ids, first_id = (None, start) if start is not None else (ids, 0)
+    if num_documents == 0 or num_documents > MAX_SIZE:
+        raise ConfigError(f"the split has {num_documents} documents; expected between 1 and 2**62")
+    num_tokens = _count_tokens(lengths, ids, first_id, num_documents)
+    if num_tokens == 0:
+        raise ConfigError(f"the split's {num_documents} documents hold no tokens; expected a split with "
+                          "tokens (check the split and that the token store is not empty)")
+    # plan_epochs gathers sequence_lengths[document_ids] (an n-element copy); its rules depend
+    # only on the token count, so it sees one document holding every token, then the real count.
+    plan = plan_epochs(np.array([num_tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
+                       num_samples=num_samples, seq_length=seq_length, add_extra_token=add_extra_token)
+    plan = dataclasses.replace(plan, num_documents=num_documents)
+    document_rounds = default_rounds(num_documents) if rounds is None else rounds
+    keys = np.array([derive_round_keys(seed=int(seed), purpose=DOCUMENT_PURPOSE, epoch=e, size=num_documents,
+                                       rounds=document_rounds) for e in range(plan.num_epochs)], dtype=np.uint64)
+    keys = keys.reshape(plan.num_epochs, document_rounds)  # (num_epochs, rounds) uint64
+    num_blocks = -(-num_documents // block_size)
+    # starts: (num_epochs * num_blocks + 2,) int64; block sums land in starts[1:], the numba
+    # kernel's spare slot last, then an in-place running sum turns sums into block starts.
+    starts = np.zeros(plan.num_epochs * num_blocks + 2, dtype=np.int64)
+    if backend == "numba":
+        kernel_args = (lengths, ids if ids is not None else np.zeros(1, dtype=np.int64), first_id, ids is None,
+                       num_documents, block_size.bit_length() - 1, feistel_bits(num_documents), keys)
+        if threads == 1:
+            _block_sums_numba(*kernel_args, starts[1:])
+        else:
+            previous = numba.get_num_threads()
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            try:
+                _block_sums_parallel_numba(*kernel_args, starts[1:])
+            finally:
+                numba.set_num_threads(previous)
+    else:
+        perms = [FeistelPermutation(size=num_documents, round_keys=tuple(int(k) for k in row), backend="numpy")
+                 for row in keys]
+        _block_sums_numpy(lengths, ids, first_id, num_documents, block_size, perms, starts[1:-1])
+    starts = starts[:-1]  # (num_epochs * num_blocks + 1,) int64
+    np.cumsum(starts, out=starts)
+    return StatelessGPTIndex(plan=plan, seed=int(seed), block_size=int(block_size), rounds=rounds,
+                             backend=backend, sequence_lengths=lengths, document_ids=ids,
+                             first_document_id=first_id, block_token_starts=starts, document_keys=keys)
