@@ -17,4 +17,8 @@ if ! $PY -c "import megatron.core" >/dev/null 2>&1; then
   rm -rf "$wheel_dir"
 fi
 $PY -m pip install --quiet triton
-$PY -c "import tokenloom, torch, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| megatron-core ready')"
+# torchdata's StatefulDataLoader; --no-deps so its bare `torch` requirement cannot pull a CUDA build.
+$PY -m pip install --quiet --no-deps "torchdata==0.11.0" && $PY -m pip install --quiet requests urllib3
+# JAX on the CPU, for the JAX adapter's multi-process tests.
+$PY -m pip install --quiet "jax[cpu]>=0.4.30"
+$PY -c "import tokenloom, torch, jax, torchdata, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| jax', jax.__version__, '| megatron-core ready')"

@@ -1,0 +1,198 @@
+"""Copy many packed samples out of a memory-mapped store into one ``(B, width)`` int64 block.
+
+Two kernels, chosen from :data:`GATHER_BACKENDS` (identical results):
+
+* ``"numba"`` (the ``[fast]`` extra): one compiled loop per call, walking each sample's documents
+  and copying their tokens straight from the memory map into the output row;
+* ``"numpy"``: the same from vectorised index arithmetic and ``IndexedDataset.read_spans``.
+
+A micro-batch is a few dozen spans of a few thousand tokens; what costs is the per-call
+overhead of a dozen small numpy operations, which the compiled loop removes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from tokenloom.errors import FormatError
+
+
+def _gpt_rows_python(tokens, sequence_pointers, itemsize, sequence_lengths, document_index, sample_index,
+                     shuffle_index, sample_ids, extra, pad_id, out, out_rows):
+    """Fill ``out[out_rows[k]]`` with Megatron GPT sample ``sample_ids[k]``; returns -1, or the
+    first ``k`` whose spans would overrun the row (a corrupt index)."""
+    width = out.shape[1]
+    for k in range(sample_ids.shape[0]):
+        r = out_rows[k]
+        row = np.int64(shuffle_index[sample_ids[k]])
+        first = np.int64(sample_index[row, 0])
+        first_offset = np.int64(sample_index[row, 1])
+        last = np.int64(sample_index[row + 1, 0])
+        last_offset = np.int64(sample_index[row + 1, 1])
+        column = 0
+        for position in range(first, last + 1):
+            document = np.int64(document_index[position])
+            start = first_offset if position == first else 0
+            stop = last_offset + extra if position == last else np.int64(sequence_lengths[document])
+            if stop - start > width - column or start < 0 or stop > sequence_lengths[document]:
+                return k
+            base = np.int64(sequence_pointers[document]) // itemsize
+            for t in range(start, stop):
+                out[r, column] = tokens[base + t]
+                column += 1
+        for c in range(column, width):
+            out[r, c] = pad_id
+    return -1
+
+
+def _span_rows_python(tokens, sequence_pointers, itemsize, bounds, document_ids, offsets, lengths, pad_id, out,
+                      out_rows):
+    """Fill ``out[out_rows[k]]`` with the spans ``bounds[k]:bounds[k + 1]``; returns -1 or a bad k."""
+    width = out.shape[1]
+    for k in range(bounds.shape[0] - 1):
+        r = out_rows[k]
+        column = 0
+        for piece in range(bounds[k], bounds[k + 1]):
+            n = lengths[piece]
+            if n > width - column:
+                return k
+            base = np.int64(sequence_pointers[document_ids[piece]]) // itemsize + offsets[piece]
+            for t in range(n):
+                out[r, column + t] = tokens[base + t]
+            column += n
+        for c in range(column, width):
+            out[r, c] = pad_id
+    return -1
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(name: str, function: Callable) -> Callable:
+    if name not in _COMPILED:
+        import numba
+
+        _COMPILED[name] = numba.njit(cache=True, nogil=True)(function)
+    return _COMPILED[name]
+
+
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plain(array) -> np.ndarray:
+    """The ndarray behind a memmap (numba takes plain arrays; no copy)."""
+    return array if type(array) is np.ndarray else np.asarray(array)
+
+
+_PREPARED: dict[tuple[int, int], tuple] = {}
+
+
+def _prepared_gpt(indices, store) -> tuple:
+    """Plain-array arguments of the GPT kernel, built once per (index, store) pair (the tuple
+    holds both objects, so their ids stay theirs while the entry lives)."""
+    key = (id(indices), id(store))
+    entry = _PREPARED.get(key)
+    if entry is None or entry[0] is not indices or entry[1] is not store:
+        arrays = (_plain(store.tokens), _plain(store.sequence_pointers), np.int64(store.itemsize),
+                  _plain(store.sequence_lengths), _plain(indices.document_index), _plain(indices.sample_index),
+                  _plain(indices.shuffle_index))
+        entry = (indices, store, arrays, np.int64(int(indices.plan.add_extra_token)))
+        if len(_PREPARED) > 256:
+            _PREPARED.clear()
+        _PREPARED[key] = entry
+    return entry
+
+
+def gpt_rows_numba(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
+                   out_rows: np.ndarray) -> None:
+    _, _, arrays, extra = _prepared_gpt(indices, store)
+    bad = _compiled("gpt", _gpt_rows_python)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows)
+    if bad >= 0:
+        raise FormatError(f"{store.prefix}: sample {int(sample_ids[bad])} of the index runs outside its documents "
+                          "or past seq_length; the index does not belong to this store")
+
+
+def gpt_rows_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
+                   out_rows: np.ndarray) -> None:
+    block = np.empty((sample_ids.shape[0], out.shape[1]), dtype=np.int64)
+    _gpt_block_numpy(indices, store, sample_ids, pad_id, block)
+    out[out_rows] = block
+
+
+def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray) -> None:
+    num_rows, width = out.shape
+    extra = int(indices.plan.add_extra_token)
+    rows = indices.shuffle_index[sample_ids].astype(np.int64)  # (B,)
+    begin = indices.sample_index[rows].astype(np.int64)  # (B, 2): position, offset
+    end = indices.sample_index[rows + 1].astype(np.int64)  # (B, 2)
+    num_parts = end[:, 0] - begin[:, 0] + 1  # (B,) documents each sample touches
+    first_part = np.cumsum(num_parts) - num_parts  # (B,)
+    sample_of_part = np.repeat(np.arange(num_rows), num_parts)  # (P,)
+    position = begin[sample_of_part, 0] + (np.arange(sample_of_part.shape[0]) - first_part[sample_of_part])
+    document = indices.document_index[position].astype(np.int64)  # (P,)
+    offset = np.where(position == begin[sample_of_part, 0], begin[sample_of_part, 1], 0)  # (P,)
+    stop = np.where(position == end[sample_of_part, 0], end[sample_of_part, 1] + extra,
+                    store.sequence_lengths[document].astype(np.int64))  # (P,) exclusive
+    lengths = stop - offset
+    tokens = store.read_spans(document, offset, lengths)  # (sum(lengths),)
+    per_row = np.bincount(sample_of_part, weights=lengths, minlength=num_rows).astype(np.int64)
+    if (per_row > width).any():
+        raise FormatError(f"{store.prefix}: a sample of the index runs past seq_length; the index does not "
+                          "belong to this store")
+    if (per_row == width).all():
+        out[:] = tokens.reshape(num_rows, width)
+    else:  # a short final sample (validation split kept by drop_last_partial=False)
+        out[:] = pad_id
+        row_of_token = np.repeat(np.arange(num_rows), per_row)
+        column = np.arange(tokens.shape[0]) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        out[row_of_token, column] = tokens
+
+
+def span_rows_numba(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
+    bad = _compiled("spans", _span_rows_python)(
+        _plain(store.tokens), _plain(store.sequence_pointers), np.int64(store.itemsize), spans.bounds,
+        spans.document_ids, spans.offsets, spans.lengths, np.int64(pad_id), out, out_rows)
+    if bad >= 0:
+        raise FormatError(f"{store.prefix}: sample row {bad} has more tokens than seq_length + extra")
+
+
+def span_rows_numpy(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
+    block = np.empty((out_rows.shape[0], out.shape[1]), dtype=np.int64)
+    _span_block_numpy(store, spans, pad_id, block)
+    out[out_rows] = block
+
+
+def _span_block_numpy(store, spans, pad_id: int, out: np.ndarray) -> None:
+    tokens = store.read_spans(spans.document_ids, spans.offsets, spans.lengths)
+    per_row = np.diff(spans.bounds)
+    counts = np.add.reduceat(spans.lengths, spans.bounds[:-1]) if spans.lengths.size else np.zeros_like(per_row)
+    counts = np.where(per_row > 0, counts, 0)
+    if (counts == out.shape[1]).all():
+        out[:] = tokens.reshape(out.shape)
+        return
+    out[:] = pad_id
+    row_of_token = np.repeat(np.arange(out.shape[0]), counts)
+    column = np.arange(tokens.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[row_of_token, column] = tokens
+
+
+GATHER_BACKENDS: dict[str, tuple[Callable, Callable]] = {
+    "numba": (gpt_rows_numba, span_rows_numba),
+    "numpy": (gpt_rows_numpy, span_rows_numpy),
+}
+"""Backend name -> (Megatron GPT index rows, stateless span rows); identical results."""
+
+
+def default_backend() -> str:
+    """"numba" when installed (the ``[fast]`` extra), else "numpy"."""
+    return "numba" if numba_available() else "numpy"
+
+
+__all__ = ["GATHER_BACKENDS", "default_backend"]

@@ -1,0 +1,187 @@
+"""The mixture audit: what each step really served, and a fingerprint of every global batch.
+
+One JSON object per line. The first line describes the run; then one line per optimizer step::
+
+    {"format": "tokenloom-audit", "version": 1, "build_key": "...", "seq_length": 8,
+     "datasets": ["web", "code"], "weights": [0.75, 0.25]}
+    {"step": 0, "consumed_samples": 0, "global_batch_size": 4, "tokens": [24, 8],
+     "cumulative_tokens": [24, 8], "target_weights": [0.75, 0.25], "drift": [0.0, 0.0],
+     "fingerprint": "3f0c..."}
+
+``tokens`` counts ``seq_length`` tokens per sample of each dataset in the step; ``drift`` is the
+realised share of all tokens so far minus the share the weights in force at each step asked for
+(after a weight change the expectation follows the new weights from that step on). The fingerprint hashes the build key and the
+global batch's ``(dataset_id, sample_id)`` pairs in stream order, so any rank computes it
+without reading tokens, and two runs that serve the same samples in the same order agree.
+On resume the next step's fingerprint is checked against the log when the log has that step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenloom.errors import ConfigError, FormatError
+
+AUDIT_FORMAT = "tokenloom-audit"
+AUDIT_VERSION = 1
+
+
+def batch_fingerprint(build_key: str, dataset_ids: np.ndarray, sample_ids: np.ndarray) -> str:
+    """16 hex digits of BLAKE2b over the build key and the batch's (dataset, sample) pairs."""
+    digest = hashlib.blake2b(build_key.encode("utf-8"), digest_size=8)
+    pairs = np.stack([np.asarray(dataset_ids, dtype="<i8"), np.asarray(sample_ids, dtype="<i8")], axis=1)
+    digest.update(np.ascontiguousarray(pairs).tobytes())  # (G, 2) little-endian int64
+    return digest.hexdigest()
+
+
+class MixtureAudit:
+    """Records every step a loader starts; writes a JSON-lines log when given a path.
+
+    Give the path on one rank only (the library never decides which rank logs).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.records: list[dict[str, Any]] = []
+        self._cumulative: np.ndarray | None = None
+        self._expected: np.ndarray | None = None
+        self._logged: dict[int, dict[str, Any]] | None = None
+        self._header_written = self.path is not None and os.path.isfile(self.path) and os.path.getsize(self.path) > 0
+
+    def _header(self, source) -> dict[str, Any]:
+        return {"format": AUDIT_FORMAT, "version": AUDIT_VERSION, "build_key": source.build_key,
+                "seq_length": source.seq_length, "datasets": [d.name for d in source.datasets],
+                "weights": [d.weight for d in source.datasets]}
+
+    def record_step(self, sampler) -> dict[str, Any]:
+        """Audit the step ``sampler`` is about to serve (call before its first micro-batch)."""
+        stream, source = sampler.stream, sampler.source
+        num_datasets = len(source.datasets)
+        if self._cumulative is None:
+            self._cumulative = stream.samples_reached(sampler.step_start) * source.seq_length
+            self._expected = expected_samples(stream, sampler.step_start) * source.seq_length
+        dataset_ids, sample_ids = stream.locate(sampler.global_batch_positions())
+        tokens = np.bincount(dataset_ids, minlength=num_datasets) * source.seq_length
+        target = np.asarray(stream.target_weights(sampler.step_start))
+        self._cumulative = self._cumulative + tokens
+        self._expected = self._expected + target * float(tokens.sum())
+        total = max(1, int(self._cumulative.sum()))
+        drift = (self._cumulative - self._expected) / total
+        record = {"step": sampler.step, "consumed_samples": sampler.step_start,
+                  "global_batch_size": int(dataset_ids.shape[0]),
+                  "tokens": [int(t) for t in tokens], "cumulative_tokens": [int(t) for t in self._cumulative],
+                  "target_weights": [float(t) for t in target], "drift": [float(d) for d in drift],
+                  "fingerprint": batch_fingerprint(source.build_key, dataset_ids, sample_ids)}
+        self.records.append(record)
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                if not self._header_written:
+                    f.write(json.dumps(self._header(source)) + "\n")
+                    self._header_written = True
+                f.write(json.dumps(record) + "\n")
+        return record
+
+    def check_resume(self, sampler) -> None:
+        """After a resume: ConfigError if the log has the next step and its fingerprint differs."""
+        self._cumulative = None
+        if self.path is None or not os.path.isfile(self.path):
+            return
+        log = read_audit_log(self.path)
+        if log.header["build_key"] != sampler.source.build_key:
+            raise ConfigError(f"{self.path}: the audit log is of build {log.header['build_key'][:16]}..., "
+                              f"the loader serves build {sampler.source.build_key[:16]}...")
+        logged = log.step(sampler.step)
+        if logged is None or sampler.micro_batch:
+            return
+        dataset_ids, sample_ids = sampler.stream.locate(sampler.global_batch_positions())
+        fingerprint = batch_fingerprint(sampler.source.build_key, dataset_ids, sample_ids)
+        if fingerprint != logged["fingerprint"]:
+            raise ConfigError(
+                f"{self.path}: step {sampler.step} was logged with fingerprint {logged['fingerprint']} "
+                f"but the resumed loader would serve {fingerprint}; the resumed stream differs from the "
+                "logged run (another state, build, or blend weights?)")
+        # the log will get this step again; drop the later lines so it stays one run
+        log.truncate_before(sampler.step)
+
+
+def expected_samples(stream, position: int) -> np.ndarray:
+    """(num_datasets,) float64: samples the weights in force asked of each dataset in ``[0, position)``."""
+    bounds = [0] + [s.start for s in stream.segments if s.start < position] + [position]
+    expected = np.zeros(len(stream.source.datasets))
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+        expected += np.asarray(stream.target_weights(begin)) * (end - begin)
+    return expected
+
+
+@dataclass
+class AuditLog:
+    """A parsed audit log."""
+
+    path: str
+    """The file it was read from."""
+    header: dict[str, Any]
+    """The first line: format, version, build key, seq_length, dataset names and weights."""
+    records: list[dict[str, Any]]
+    """One dict per logged step, in file order."""
+
+    def step(self, step: int) -> dict[str, Any] | None:
+        """The last record of ``step``, or None."""
+        for record in reversed(self.records):
+            if record["step"] == step:
+                return record
+        return None
+
+    def truncate_before(self, step: int) -> None:
+        """Rewrite the file keeping only steps before ``step``."""
+        kept = [r for r in self.records if r["step"] < step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(self.header) + "\n")
+            for record in kept:
+                f.write(json.dumps(record) + "\n")
+        self.records = kept
+
+
+def read_audit_log(path: str | os.PathLike) -> AuditLog:
+    """Parse a log written by :class:`MixtureAudit`; FormatError on anything else."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read audit log: {exc.strerror or exc}") from exc
+    try:
+        objects = [json.loads(line) for line in lines]
+    except ValueError as exc:
+        raise FormatError(f"{path}: not a JSON-lines audit log: {exc}") from exc
+    if not objects or objects[0].get("format") != AUDIT_FORMAT:
+        raise FormatError(f"{path}: first line is not a {AUDIT_FORMAT!r} header; is this a tokenloom audit log?")
+    if objects[0].get("version") != AUDIT_VERSION:
+        raise FormatError(f"{path}: audit log version {objects[0].get('version')!r}, expected {AUDIT_VERSION}")
+    return AuditLog(path=path, header=objects[0], records=objects[1:])
+
+
+def summarize_audit(log: AuditLog) -> list[dict[str, Any]]:
+    """One row per dataset: name, target weight, realised tokens and share, final drift, max |drift|."""
+    names = log.header["datasets"]
+    if not log.records:
+        return [{"dataset": n, "target": w, "tokens": 0, "realised": 0.0, "drift": 0.0, "max_abs_drift": 0.0}
+                for n, w in zip(names, log.header["weights"])]
+    last = log.records[-1]
+    total = max(1, sum(last["cumulative_tokens"]))
+    rows = []
+    for d, name in enumerate(names):
+        rows.append({"dataset": name, "target": last["target_weights"][d],
+                     "tokens": last["cumulative_tokens"][d], "realised": last["cumulative_tokens"][d] / total,
+                     "drift": last["drift"][d],
+                     "max_abs_drift": max(abs(r["drift"][d]) for r in log.records)})
+    return rows
+
+
+__all__ = ["AUDIT_FORMAT", "AUDIT_VERSION", "AuditLog", "MixtureAudit", "batch_fingerprint",
+           "read_audit_log", "summarize_audit"]

@@ -1,0 +1,217 @@
+"""Batch geometry: global batch, micro-batch, data-parallel size, and a batch-size schedule.
+
+Every optimizer step consumes one global batch of ``G`` samples from the global stream. It is
+cut into ``G / (micro x dp)`` micro-steps of ``micro x dp`` consecutive samples; in each
+micro-step data-parallel rank ``r`` takes samples ``[r x micro, (r + 1) x micro)`` (Megatron's
+``MegatronPretrainingSampler`` order). So step ``k`` of a run starting at ``consumed`` serves
+positions ``[consumed, consumed + G)`` whatever ``dp`` is: a run can resume on another layout.
+
+A schedule changes ``G`` with the samples consumed (Megatron's ``--step-batch-size-schedule``
+"0:768 250B:1536", or the classic ``--rampup-batch-size start increment samples``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name}={value!r}; expected a positive integer")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSizeSchedule:
+    """Global batch size as a step function of consumed samples."""
+
+    steps: tuple[tuple[int, int], ...]
+    """``(threshold_samples, global_batch_size)`` pairs, thresholds strictly increasing from 0:
+    a step starting with ``consumed >= threshold`` uses that batch size."""
+
+    def __post_init__(self) -> None:
+        if not self.steps or self.steps[0][0] != 0:
+            raise ConfigError(f"BatchSizeSchedule.steps={self.steps!r}; expected a first entry at threshold 0")
+        for (a, _), (b, _) in zip(self.steps, self.steps[1:]):
+            if b <= a:
+                raise ConfigError(f"BatchSizeSchedule thresholds {a} then {b}; expected strictly increasing")
+        for threshold, size in self.steps:
+            _positive("global batch size", size)
+
+    @classmethod
+    def parse(cls, text: str, *, seq_length: int | None = None) -> "BatchSizeSchedule":
+        """Megatron's "THRESHOLD:BS THRESHOLD:BS ..." (K/M/B/T suffixes); thresholds in tokens when
+        ``seq_length`` is given (divided by it, rounding down), else in samples."""
+        entries = []
+        for entry in text.replace(",", " ").split():
+            if ":" not in entry:
+                raise ConfigError(f"schedule entry {entry!r}; expected THRESHOLD:BATCH_SIZE, e.g. '250B:1536'")
+            threshold, size = (_parse_count(part, entry) for part in entry.split(":", 1))
+            if seq_length is not None:
+                threshold //= seq_length
+            entries.append((threshold, size))
+        return cls(steps=tuple(sorted(entries)))
+
+    @classmethod
+    def rampup(cls, *, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> "BatchSizeSchedule":
+        """Megatron-LM's ``--rampup-batch-size start increment ramp_samples``: the batch grows from
+        ``start`` by ``increment`` every ``ramp_samples / num_increments`` consumed samples, and is
+        ``global_batch_size`` once more than ``ramp_samples`` are consumed."""
+        start, increment = _positive("start", start), _positive("increment", increment)
+        global_batch_size = _positive("global_batch_size", global_batch_size)
+        ramp_samples = _positive("ramp_samples", ramp_samples)
+        difference = global_batch_size - start
+        if difference < 0 or difference % increment:
+            raise ConfigError(
+                f"rampup from {start} to global_batch_size {global_batch_size} in increments of "
+                f"{increment}: the difference {difference} must be a non-negative multiple of it")
+        num_increments = difference // increment
+        if num_increments == 0:
+            return cls(steps=((0, global_batch_size),))
+        per_increment = ramp_samples / num_increments
+        steps = [(0, start)]
+        for k in range(1, num_increments + 1):
+            # the first consumed count c with int(c / per_increment) >= k (and c <= ramp_samples)
+            c = max(int(math.ceil(k * per_increment)) - 2, steps[-1][0] + 1)
+            while int(c / per_increment) < k:
+                c += 1
+            if c > ramp_samples:
+                break
+            steps.append((c, start + k * increment))
+        if steps[-1][1] != global_batch_size:
+            steps.append((ramp_samples + 1, global_batch_size))
+        return cls(steps=tuple(steps))
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of a step that starts after ``consumed_samples``."""
+        size = self.steps[0][1]
+        for threshold, value in self.steps:
+            if consumed_samples < threshold:
+                break
+            size = value
+        return size
+
+
+def _parse_count(text: str, entry: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBT]?)\s*", text.upper())
+    if match is None:
+        raise ConfigError(f"schedule entry {entry!r}: {text!r} is not a number with an optional K/M/B/T suffix")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchGeometry:
+    """How the global stream is cut into steps and micro-batches."""
+
+    global_batch_size: int
+    """Samples per optimizer step (the final size when a schedule is set)."""
+    micro_batch_size: int
+    """Samples per forward/backward pass on one data-parallel rank."""
+    dp: int
+    """Data-parallel size."""
+    schedule: BatchSizeSchedule | None = None
+    """Optional batch-size ramp; None keeps ``global_batch_size`` throughout."""
+
+    def __post_init__(self) -> None:
+        _positive("global_batch_size", self.global_batch_size)
+        _positive("micro_batch_size", self.micro_batch_size)
+        _positive("dp", self.dp)
+        if self.schedule is None:
+            self.num_micro_batches_for(self.global_batch_size)
+        elif self.schedule.steps[-1][1] != self.global_batch_size:
+            raise ConfigError(
+                f"the schedule ends at global batch size {self.schedule.steps[-1][1]} but "
+                f"global_batch_size={self.global_batch_size}; expected them to agree")
+
+    @classmethod
+    def from_tokens(cls, *, global_batch_tokens: int, seq_length: int, micro_batch_size: int,
+                    dp: int, schedule: BatchSizeSchedule | None = None) -> "BatchGeometry":
+        """A global batch given in tokens (``global_batch_tokens = samples x seq_length``)."""
+        global_batch_tokens = _positive("global_batch_tokens", global_batch_tokens)
+        seq_length = _positive("seq_length", seq_length)
+        if global_batch_tokens % seq_length:
+            raise ConfigError(
+                f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_length={seq_length} "
+                f"({global_batch_tokens / seq_length:.3f} samples); use "
+                f"{max(1, global_batch_tokens // seq_length) * seq_length} or "
+                f"{(global_batch_tokens // seq_length + 1) * seq_length}")
+        return cls(global_batch_size=global_batch_tokens // seq_length, micro_batch_size=micro_batch_size,
+                   dp=dp, schedule=schedule)
+
+    @classmethod
+    def from_data_geometry(cls, geometry, *, schedule: BatchSizeSchedule | None = None) -> "BatchGeometry":
+        """From a :class:`tokenloom.plan.DataGeometry` (its checks already hold)."""
+        return cls(global_batch_size=geometry.global_batch_size, micro_batch_size=geometry.micro_batch_size,
+                   dp=geometry.data_parallel_size, schedule=schedule)
+
+    def with_dp(self, dp: int) -> "BatchGeometry":
+        """The same batches on another data-parallel size (the micro-batch stays)."""
+        return BatchGeometry(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                             dp=dp, schedule=self.schedule)
+
+    @property
+    def samples_per_micro_step(self) -> int:
+        """Samples one micro-step takes from the stream over all data-parallel ranks."""
+        return self.micro_batch_size * self.dp
+
+    def num_micro_batches_for(self, global_batch_size: int) -> int:
+        """Gradient-accumulation steps for a global batch: ``global / (micro x dp)``."""
+        per = self.samples_per_micro_step
+        if global_batch_size % per:
+            raise ConfigError(
+                f"global batch size {global_batch_size} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size} x dp {self.dp} = {per} (remainder {global_batch_size % per}); "
+                f"use a global batch of {global_batch_size // per * per or per} or {(global_batch_size // per + 1) * per}")
+        return global_batch_size // per
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Gradient-accumulation steps at the final global batch size."""
+        return self.num_micro_batches_for(self.global_batch_size)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """Global batch size of the step starting after ``consumed_samples``."""
+        if self.schedule is None:
+            return self.global_batch_size
+        return self.schedule.global_batch_size_at(consumed_samples)
+
+    def step_start(self, step: int) -> int:
+        """Samples consumed before optimizer step ``step`` (0-based)."""
+        if step < 0:
+            raise ConfigError(f"step={step!r}; expected a non-negative integer")
+        if self.schedule is None:
+            return step * self.global_batch_size
+        consumed, done = 0, 0
+        while done < step:
+            size = self.schedule.global_batch_size_at(consumed)
+            later = [t for t, _ in self.schedule.steps if t > consumed]
+            # every step that starts before the next threshold has this size
+            run = step - done if not later else min(step - done, -(-(later[0] - consumed) // size))
+            consumed += run * size
+            done += run
+        return consumed
+
+    def step_of(self, consumed_samples: int) -> int:
+        """The step starting at ``consumed_samples``; ConfigError when it falls inside a step."""
+        step, consumed = 0, 0
+        if self.schedule is None:
+            step, rest = divmod(consumed_samples, self.global_batch_size)
+            if rest == 0:
+                return step
+        else:
+            while consumed < consumed_samples:
+                consumed += self.schedule.global_batch_size_at(consumed)
+                step += 1
+            if consumed == consumed_samples:
+                return step
+        raise ConfigError(f"consumed_samples={consumed_samples} falls inside an optimizer step of this geometry")
+
+
+__all__ = ["BatchGeometry", "BatchSizeSchedule"]

@@ -1,0 +1,112 @@
+"""JAX: one shard of every global batch per process, assembled into global ``jax.Array``s.
+
+    from tokenloom.serve.jax_adapter import HostLoader, ShardOptions, make_global_batch
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    loader = HostLoader(source, global_batch_size=256, shard=ShardOptions.from_jax())
+    for host_batch in loader:                       # dict of numpy, 256 / process_count rows
+        batch = make_global_batch(host_batch, mesh)  # dict of jax.Array, 256 rows, sharded on "data"
+
+Process ``p`` of ``P`` reads rows ``[p x G / P, (p + 1) x G / P)`` of every global batch of ``G``
+samples -- the data-parallel cut of :class:`~tokenloom.serve.geometry.BatchGeometry` with one
+"rank" per process -- so the state is the same layout-free state as everywhere else, and a run
+resumes on another process count. ``make_global_batch`` splits the host rows across the
+process's local devices with ``jax.make_array_from_process_local_data``.
+
+Importing this module does not import jax; the functions that need it do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.loader import RankLoader
+from tokenloom.serve.samples import SampleOptions
+from tokenloom.serve.source import SampleSource
+from tokenloom.serve.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardOptions:
+    """Which shard of every global batch this process reads (grain's ``ShardOptions`` fields)."""
+
+    shard_index: int
+    """This process's shard, in ``[0, shard_count)``; its rows come ``shard_index``-th in every batch."""
+    shard_count: int
+    """Processes sharing each global batch."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.shard_count, int) and self.shard_count >= 1):
+            raise ConfigError(f"ShardOptions.shard_count={self.shard_count!r}; expected a positive integer")
+        if not (isinstance(self.shard_index, int) and 0 <= self.shard_index < self.shard_count):
+            raise ConfigError(f"ShardOptions.shard_index={self.shard_index!r}; expected an integer in "
+                              f"[0, {self.shard_count})")
+
+    @classmethod
+    def from_jax(cls) -> "ShardOptions":
+        """``shard_index = jax.process_index()``, ``shard_count = jax.process_count()``."""
+        import jax
+
+        return cls(shard_index=jax.process_index(), shard_count=jax.process_count())
+
+    @classmethod
+    def of(cls, options) -> "ShardOptions":
+        """From anything with ``shard_index`` and ``shard_count`` (grain's ShardOptions too)."""
+        return options if isinstance(options, cls) else cls(shard_index=int(options.shard_index),
+                                                            shard_count=int(options.shard_count))
+
+
+class HostLoader:
+    """This process's rows of every global batch, as dicts of numpy arrays."""
+
+    def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
+                 max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:
+        self.shard = ShardOptions.of(shard)
+        count = self.shard.shard_count
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size % count:
+            raise ConfigError(f"global_batch_size={global_batch_size!r} is not a multiple of shard_count={count}; "
+                              "each process needs the same number of rows")
+        self.geometry = BatchGeometry(global_batch_size=global_batch_size, micro_batch_size=global_batch_size // count,
+                                      dp=count)
+        self._loader = RankLoader(source, self.geometry, topology=Topology(dp=count), rank=self.shard.shard_index,
+                                  options=options, max_steps=max_steps, audit=audit)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return iter(self._loader)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self._loader.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The layout-free serving state (the same on every process)."""
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume, on any process count, between steps."""
+        self._loader.load_state_dict(state)
+
+
+def make_global_batch(host_batch: dict[str, np.ndarray], mesh, data_axis: str | tuple[str, ...] = "data") -> dict:
+    """Assemble every process's rows into global ``jax.Array``s sharded along ``data_axis``.
+
+    Each field's first axis is the batch; the global batch has ``process_count`` times the rows
+    (``jax.make_array_from_process_local_data`` splits this host's rows across its devices).
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    out = {}
+    for name, value in host_batch.items():
+        spec = PartitionSpec(data_axis, *([None] * (value.ndim - 1)))
+        sharding = NamedSharding(mesh, spec)
+        global_shape = (value.shape[0] * jax.process_count(),) + tuple(value.shape[1:])
+        out[name] = jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(value), global_shape)
+    return out
+
+
+__all__ = ["HostLoader", "ShardOptions", "make_global_batch"]

@@ -1,0 +1,170 @@
+"""Which global positions each data-parallel rank reads, step after step, and the state to resume.
+
+The state is the global count of consumed samples (plus where inside a step the run stopped),
+the build key, the schema version, and any blend weight changes. Nothing in it depends on the
+layout, so a run saved at dp=4 resumes at dp=2 or dp=8 on the identical global stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.source import SampleSource
+from tokenloom.serve.stream import BlendSegment, SampleStream
+
+STATE_FORMAT = "tokenloom-serve-state"
+SCHEMA_VERSION = 1
+
+
+class MicroBatchSampler:
+    """Positions of every micro-batch of one data-parallel rank, in training order.
+
+    Step ``k`` starts after ``consumed`` samples and serves ``[consumed, consumed + G)``; its
+    micro-step ``m`` gives rank ``r`` positions ``consumed + m x micro x dp + r x micro + [0, micro)``.
+    Iteration stops before the first step the stream cannot fill (or after ``max_steps`` steps).
+    """
+
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *, dp_rank: int = 0,
+                 max_steps: int | None = None) -> None:
+        self.stream = source if isinstance(source, SampleStream) else SampleStream(source)
+        self.geometry = geometry
+        if not 0 <= dp_rank < geometry.dp:
+            raise ConfigError(f"dp_rank={dp_rank!r}; expected an integer in [0, {geometry.dp})")
+        self.dp_rank = int(dp_rank)
+        self.max_steps = max_steps
+        self.step = 0
+        """Optimizer steps completed."""
+        self.step_start = 0
+        """Samples consumed before the current step."""
+        self.micro_batch = 0
+        """Micro-steps of the current step already served."""
+
+    # -- the schedule ---------------------------------------------------------------------------
+    @property
+    def source(self) -> SampleSource:
+        return self.stream.source
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples consumed so far (Megatron's ``consumed_samples``)."""
+        return self.step_start + self.micro_batch * self.geometry.samples_per_micro_step
+
+    @property
+    def global_batch_size(self) -> int:
+        """Global batch size of the current step."""
+        return self.geometry.global_batch_size_at(self.step_start)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches in the current step."""
+        return self.geometry.num_micro_batches_for(self.global_batch_size)
+
+    def global_batch_positions(self) -> np.ndarray:
+        """(G,) int64: the current step's positions over all ranks, in stream order."""
+        return np.arange(self.step_start, self.step_start + self.global_batch_size, dtype=np.int64)
+
+    def exhausted(self) -> bool:
+        """True when no further step can be served."""
+        if self.max_steps is not None and self.step >= self.max_steps and self.micro_batch == 0:
+            return True
+        return self.step_start + self.global_batch_size > self.stream.num_samples
+
+    def positions(self) -> np.ndarray:
+        """(micro,) int64: this rank's positions of the next micro-batch (no advance)."""
+        micro = self.geometry.micro_batch_size
+        first = self.consumed_samples + self.dp_rank * micro
+        return np.arange(first, first + micro, dtype=np.int64)
+
+    def advance(self) -> None:
+        """Move past one micro-step (and to the next step after the last one)."""
+        self.micro_batch += 1
+        if self.micro_batch == self.num_micro_batches:
+            self.step_start += self.global_batch_size
+            self.step += 1
+            self.micro_batch = 0
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while not self.exhausted():
+            positions = self.positions()
+            self.advance()
+            yield positions
+
+    def __len__(self) -> int:
+        """Micro-batches left for this rank."""
+        probe = MicroBatchSampler(self.stream, self.geometry, dp_rank=self.dp_rank, max_steps=self.max_steps)
+        probe._set(self.step, self.step_start, self.micro_batch)
+        count = 0
+        while not probe.exhausted():
+            remaining = probe.num_micro_batches - probe.micro_batch
+            count += remaining
+            probe.micro_batch = 0
+            probe.step_start += probe.global_batch_size
+            probe.step += 1
+        return count
+
+    def _set(self, step: int, step_start: int, micro_batch: int) -> None:
+        self.step, self.step_start, self.micro_batch = int(step), int(step_start), int(micro_batch)
+
+    # -- weights --------------------------------------------------------------------------------
+    def reweight(self, weights) -> None:
+        """Blend with ``weights`` from the current position on; every dataset continues from the
+        sample it had reached. Only between steps."""
+        if self.micro_batch:
+            raise ConfigError(f"blend weights can change between steps only; {self.micro_batch} "
+                              f"micro-batches of step {self.step} are already served")
+        self.stream = self.stream.reweighted(self.step_start, weights)
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready, layout-free state (see FORMAT.md, "Serving state")."""
+        return {
+            "format": STATE_FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "build_key": self.source.build_key,
+            "consumed_samples": self.consumed_samples,
+            "step": self.step,
+            "step_start_samples": self.step_start,
+            "micro_batch": self.micro_batch,
+            "samples_per_micro_step": self.geometry.samples_per_micro_step,
+            "blend_segments": [s.to_dict() for s in self.stream.segments],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved state; ConfigError when it belongs to another build or schema."""
+        check_state(state, self.source.build_key)
+        micro_batch = int(state["micro_batch"])
+        if micro_batch and int(state["samples_per_micro_step"]) != self.geometry.samples_per_micro_step:
+            raise ConfigError(
+                f"the state was saved {micro_batch} micro-batches into step {state['step']} with "
+                f"{state['samples_per_micro_step']} samples per micro-step; this geometry takes "
+                f"{self.geometry.samples_per_micro_step}. Resume on another layout from a state "
+                "saved between steps")
+        segments = tuple(BlendSegment.from_dict(s) for s in state.get("blend_segments", []))
+        self.stream = SampleStream(self.source, segments)
+        self._set(int(state["step"]), int(state["step_start_samples"]), micro_batch)
+
+
+def check_state(state: dict[str, Any], build_key: str) -> None:
+    """Raise ConfigError unless ``state`` is a serving state of this build and schema."""
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(f"not a tokenloom serving state (format {found!r}, expected {STATE_FORMAT!r})")
+    if state.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(f"serving state schema version {state.get('schema_version')!r}; this tokenloom "
+                          f"reads version {SCHEMA_VERSION}")
+    if state.get("build_key") != build_key:
+        raise ConfigError(
+            f"the serving state belongs to build {str(state.get('build_key'))[:16]}..., but this source is "
+            f"build {build_key[:16]}...; resuming would serve a different stream. Load the state "
+            "with the build it was saved from")
+    for name in ("consumed_samples", "step", "step_start_samples", "micro_batch", "samples_per_micro_step"):
+        value = state.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"serving state field {name}={value!r}; expected a non-negative integer")
+
+
+__all__ = ["MicroBatchSampler", "STATE_FORMAT", "SCHEMA_VERSION", "check_state"]

@@ -1,0 +1,86 @@
+"""Every rank of a DP x TP x PP x CP job, served in one process: for demos, checks and tests.
+
+    report = simulate_job(source, BatchGeometry(global_batch_size=32, micro_batch_size=2, dp=2),
+                          Topology(dp=2, tp=2, pp=2), num_steps=10, audit=MixtureAudit("audit.jsonl"))
+    report.global_batches[3]["tokens"]   # (32, seq_length): step 3 as the first stage saw it
+
+Each rank gets its own :class:`~tokenloom.serve.loader.RankLoader` (``LoadMode.EVERY_RANK``, so
+every tensor peer reads for itself); after each micro-step the simulation checks that tensor
+peers hold identical tensors and that the context-parallel ranks' chunks tile the sequence, then
+reassembles the global batch in stream order from the first and last pipeline stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenloom.errors import TokenloomError
+from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.loader import RankLoader
+from tokenloom.serve.samples import SampleOptions
+from tokenloom.serve.source import SampleSource
+from tokenloom.serve.topology import LoadMode, Topology, context_parallel_positions
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class JobReport:
+    """What a simulated job served."""
+
+    global_batches: list[dict[str, np.ndarray]]
+    """Per step: every field over the whole global batch, rows in stream order, full sequences."""
+    state: dict
+    """The serving state after the last step (identical on every rank)."""
+
+
+def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topology, *, num_steps: int,
+                 options: SampleOptions = SampleOptions(), audit: MixtureAudit | None = None,
+                 state: dict | None = None) -> JobReport:
+    """Serve ``num_steps`` steps to every rank of ``topology``; see the module docstring."""
+    loaders = [RankLoader(source, geometry, topology=topology, rank=r, options=options, mode=LoadMode.EVERY_RANK,
+                          audit=audit if r == 0 else None) for r in range(topology.world_size)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    seq = source.seq_length
+    steps = []
+    for _ in range(num_steps):
+        micro_steps = []
+        for _ in range(loaders[0].sampler.num_micro_batches):
+            outputs = [loader.next_batch() for loader in loaders]
+            per_dp = []
+            for dp_rank in range(topology.dp):
+                merged: dict[str, np.ndarray] = {}
+                for pp_rank in sorted({0, topology.pp - 1}):
+                    for cp_rank in range(topology.cp):
+                        group = [outputs[topology.rank_of(dp_rank=dp_rank, tp_rank=t, pp_rank=pp_rank,
+                                                          cp_rank=cp_rank)] for t in range(topology.tp)]
+                        for peer in group[1:]:
+                            for name, value in group[0].items():
+                                if not np.array_equal(value, peer[name]):
+                                    raise TokenloomError(f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
+                        positions = context_parallel_positions(seq, topology.cp, cp_rank)
+                        for name, value in group[0].items():
+                            if name == "dataset_id":
+                                merged[name] = value
+                                continue
+                            axis = 2 if name == "attention_mask" else 1
+                            if name not in merged:
+                                shape = list(value.shape)
+                                shape[axis] = seq
+                                merged[name] = np.empty(shape, dtype=value.dtype)
+                            index = [slice(None)] * value.ndim
+                            index[axis] = positions
+                            merged[name][tuple(index)] = value
+                per_dp.append(merged)
+            micro_steps.append({k: np.concatenate([m[k] for m in per_dp]) for k in per_dp[0]})
+        steps.append({k: np.concatenate([m[k] for m in micro_steps]) for k in micro_steps[0]})
+    states = [loader.state_dict() for loader in loaders]
+    if any(s != states[0] for s in states):
+        raise TokenloomError("ranks disagree on the serving state")
+    return JobReport(global_batches=steps, state=states[0])
+
+
+__all__ = ["JobReport", "simulate_job"]

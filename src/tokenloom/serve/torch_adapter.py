@@ -1,0 +1,345 @@
+"""PyTorch: a Dataset, a stateful batch sampler, a DataLoader factory, and distributed batches.
+
+    from tokenloom.serve.torch_adapter import build_dataloader
+    loader = build_dataloader(source, geometry, topology=topology, rank=rank,
+                              num_workers=4, pin_memory=True, prefetch_factor=4)
+    for batch in loader:            # dict of tensors: tokens, labels, loss_mask, ...
+        ...
+    torch.save(loader.state_dict(), "loader.pt")   # StatefulDataLoader's state (torchdata)
+
+The batch sampler runs in the main process and turns positions into ``(dataset_id, sample_id)``
+pairs (so blend weight changes live in its state); workers read a whole micro-batch with one
+vectorised call (``Dataset.__getitems__``). :class:`DistributedBatches` adds the tensor-parallel
+broadcast: tensor rank 0 of the first and last pipeline stages loads, its peers receive.
+
+Importing this module imports torch; ``import tokenloom.serve`` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tokenloom.errors import ConfigError
+from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
+from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.loader import check_eod
+from tokenloom.serve.sampler import MicroBatchSampler
+from tokenloom.serve.samples import SampleOptions, build_fields
+from tokenloom.serve.source import SampleSource
+from tokenloom.serve.stream import SampleStream
+from tokenloom.serve.topology import LoadMode, RankPlan, Topology, context_parallel_slice
+
+
+def _unpack(buffer: torch.Tensor, layout: tuple) -> "PackedBatch":
+    batch = PackedBatch()
+    for name, dtype, shape, offset, nbytes in layout:
+        batch[name] = buffer[offset:offset + nbytes].view(dtype).view(shape)
+    return batch
+
+
+class PackedBatch(dict):
+    """A dict of tensors that crosses a process boundary as one shared-memory buffer.
+
+    A DataLoader worker hands each tensor of a batch to the main process through its own
+    shared-memory segment, which costs more than reading the batch; pickling packs every field
+    into one buffer and unpickling gives views of it. In one process it is a plain dict.
+    """
+
+    def __reduce__(self):
+        layout, total = [], 0
+        for name, value in self.items():
+            nbytes = value.numel() * value.element_size()
+            layout.append((name, value.dtype, tuple(value.shape), total, nbytes))
+            total += -(-nbytes // 64) * 64  # 64-byte aligned fields
+        buffer = torch.empty(total, dtype=torch.uint8)
+        for name, dtype, shape, offset, nbytes in layout:
+            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(self[name])
+        return (_unpack, (buffer, tuple(layout)))
+
+
+class ServeDataset(torch.utils.data.Dataset):
+    """Reads micro-batches given as ``(B, 2)`` int64 arrays of ``(dataset_id, sample_id)`` rows.
+
+    ``fields`` keeps only the named fields (a pipeline stage's), ``cp`` cuts context-parallel
+    chunks. ``dataset[pairs]`` and ``dataset.__getitems__(pairs)`` return one batch as a dict of
+    tensors.
+    """
+
+    def __init__(self, source: SampleSource, *, options: SampleOptions = SampleOptions(),
+                 fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0) -> None:
+        check_eod(source, options)
+        self.source = source
+        self.options = options
+        self.fields = fields
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self._eods = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets], dtype=np.int64)
+        self._id_dtype = megatron_dataset_id_dtype(len(source.datasets))
+
+    def __len__(self) -> int:
+        return self.source.num_samples
+
+    def __getitems__(self, pairs) -> dict[str, torch.Tensor]:
+        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        rows = self.source.read_samples(pairs[:, 0], pairs[:, 1])  # (B, seq_length + extra)
+        fields = build_fields(rows, eod_ids=self._eods[pairs[:, 0]], pad_id=self.source.pad_id,
+                              add_extra_token=self.source.add_extra_token, options=self.options)
+        if self.fields is not None:
+            fields = {k: v for k, v in fields.items() if k in self.fields}
+        if self.cp_size > 1:
+            fields = context_parallel_slice(fields, self.cp_size, self.cp_rank)
+        out = PackedBatch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()})
+        out["dataset_id"] = torch.from_numpy(pairs[:, 0].astype(self._id_dtype))
+        return out
+
+    __getitem__ = __getitems__
+
+
+def passthrough_collate(batch):
+    """The dataset already returns a collated batch."""
+    return batch
+
+
+class _PairsIterator:
+    """Iterates a copy of a :class:`MicroBatchSampler`; its state is the copy's (torchdata's
+    ``Stateful`` protocol)."""
+
+    def __init__(self, owner: "StatefulBatchSampler") -> None:
+        self._sampler = owner._fresh()
+        self._whole_steps = owner.whole_steps
+
+    def __iter__(self) -> "_PairsIterator":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        sampler = self._sampler
+        if sampler.exhausted():
+            raise StopIteration
+        parts = [sampler.positions()]
+        sampler.advance()
+        if self._whole_steps:  # the rest of this step's micro-batches in one item
+            while sampler.micro_batch != 0:
+                parts.append(sampler.positions())
+                sampler.advance()
+        positions = np.concatenate(parts)
+        return np.stack(sampler.stream.locate(positions), axis=1)  # (micro x count, 2) int64
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sampler.load_state_dict(state)
+
+
+class StatefulBatchSampler(torch.utils.data.Sampler):
+    """One data-parallel rank's micro-batches as ``(dataset_id, sample_id)`` arrays; resumable.
+
+    ``state_dict()``/``load_state_dict()`` follow torchdata's Stateful protocol, on the sampler
+    (where the next ``iter()`` starts) and on its iterators (what they have yielded).
+    ``whole_steps=True`` yields the rest of the current step's micro-batches as one item (one
+    read and one inter-process transfer per optimizer step instead of per micro-batch).
+    """
+
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *, dp_rank: int = 0,
+                 max_steps: int | None = None, whole_steps: bool = False) -> None:
+        self._start = MicroBatchSampler(source, geometry, dp_rank=dp_rank, max_steps=max_steps)
+        self.whole_steps = whole_steps
+
+    def _fresh(self) -> MicroBatchSampler:
+        s = self._start
+        copy = MicroBatchSampler(s.stream, s.geometry, dp_rank=s.dp_rank, max_steps=s.max_steps)
+        copy._set(s.step, s.step_start, s.micro_batch)
+        return copy
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return _PairsIterator(self)
+
+    def __len__(self) -> int:
+        if not self.whole_steps:
+            return len(self._start)
+        probe = self._fresh()
+        count = 0
+        while not probe.exhausted():
+            count += 1
+            probe._set(probe.step + 1, probe.step_start + probe.global_batch_size, 0)
+        return count
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._start.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._start.load_state_dict(state)
+
+    def reweight(self, weights) -> None:
+        """Change blend weights from the start position on (call before iterating)."""
+        self._start.reweight(weights)
+
+
+def build_dataloader(source: SampleSource, geometry: BatchGeometry, *, topology: Topology | None = None,
+                     rank: int = 0, options: SampleOptions = SampleOptions(), num_workers: int = 0,
+                     pin_memory: bool = False, prefetch_factor: int | None = None,
+                     persistent_workers: bool = False, max_steps: int | None = None,
+                     stateful: bool | None = None, mode: LoadMode | str = LoadMode.EVERY_RANK,
+                     whole_steps: bool = False):
+    """A DataLoader of this rank's micro-batches (dicts of tensors, only its stage's fields).
+
+    ``stateful=None`` uses torchdata's ``StatefulDataLoader`` when installed (True requires it,
+    False gives a plain ``torch.utils.data.DataLoader``; its sampler, ``loader.batch_sampler``,
+    still has a state). ``mode`` is EVERY_RANK here: every rank that needs data gets a loader;
+    use :class:`DistributedBatches` for tensor rank 0 loading and broadcasting.
+    ``whole_steps=True`` makes each item the rest of an optimizer step (``micro x accumulation``
+    rows; :class:`DistributedBatches` slices them back into micro-batches).
+    """
+    topology = topology or Topology(dp=geometry.dp)
+    plan = topology.plan(rank, mode)
+    if not plan.loads:
+        raise ConfigError(f"rank {rank} ({plan.coordinates}) loads no data in mode {LoadMode(mode).value}; "
+                          "middle pipeline stages and broadcast receivers need no DataLoader")
+    dataset = ServeDataset(source, options=options, fields=plan.fields, cp_size=topology.cp,
+                           cp_rank=plan.coordinates.cp_rank)
+    sampler = StatefulBatchSampler(source, geometry, dp_rank=plan.coordinates.dp_rank, max_steps=max_steps,
+                                   whole_steps=whole_steps)
+    kwargs: dict[str, Any] = dict(batch_sampler=sampler, collate_fn=passthrough_collate, num_workers=num_workers,
+                                  pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0)
+    if num_workers > 0 and prefetch_factor is not None:
+        kwargs["prefetch_factor"] = prefetch_factor
+    if stateful is None or stateful:
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+        except ImportError as exc:
+            if stateful:
+                raise ConfigError("stateful=True needs torchdata's StatefulDataLoader; install torchdata") from exc
+        else:
+            return StatefulDataLoader(dataset, **kwargs)
+    return torch.utils.data.DataLoader(dataset, **kwargs)
+
+
+# --------------------------------------------------------------------------- tensor-parallel broadcast
+
+
+def tensor_parallel_group(topology: Topology, rank: int):
+    """Create every tensor-parallel group (collectively: all ranks must call this) and return
+    this rank's."""
+    mine = None
+    for group in topology.tensor_groups():
+        created = dist.new_group(list(group))
+        if rank in group:
+            mine = created
+    return mine
+
+
+def batch_shapes(source: SampleSource, micro_batch_size: int, fields: tuple[str, ...], cp_size: int,
+                 options: SampleOptions) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every field a rank receives (what a broadcast receiver allocates)."""
+    seq = source.seq_length
+    local = seq // cp_size
+    spec = {"tokens": ((micro_batch_size, local), torch.int64), "labels": ((micro_batch_size, local), torch.int64),
+            "loss_mask": ((micro_batch_size, local), torch.float32),
+            "position_ids": ((micro_batch_size, local), torch.int64),
+            "attention_mask": ((micro_batch_size, 1, local, seq), torch.bool)}
+    keep = [f for f in fields if f in spec and (f != "attention_mask" or options.create_attention_mask)]
+    out = {f: spec[f] for f in keep}
+    id_dtype = torch.int16 if megatron_dataset_id_dtype(len(source.datasets)) == np.int16 else torch.int32
+    out["dataset_id"] = ((micro_batch_size,), id_dtype)
+    return out
+
+
+class DistributedBatches:
+    """This rank's micro-batches in a torch.distributed job, Megatron style.
+
+    In ``LoadMode.BROADCAST`` tensor rank 0 of the first and last pipeline stages reads (through
+    a DataLoader with workers, one item per optimizer step) and broadcasts to its tensor peers; in
+    ``EVERY_RANK`` each reads. Middle stages get None. Every rank keeps the same layout-free state.
+    """
+
+    def __init__(self, source: SampleSource, geometry: BatchGeometry, topology: Topology, rank: int, *,
+                 options: SampleOptions = SampleOptions(), mode: LoadMode | str = LoadMode.BROADCAST,
+                 tp_group=None, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None,
+                 max_steps: int | None = None, device: str | torch.device = "cpu",
+                 audit: MixtureAudit | None = None) -> None:
+        self.plan: RankPlan = topology.plan(rank, mode)
+        self.mode = LoadMode(mode)
+        self.topology, self.source, self.geometry, self.options = topology, source, geometry, options
+        self.tp_group = tp_group
+        self.device = torch.device(device)
+        self._loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
+        self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank, max_steps=max_steps)
+        self.audit = audit
+        """Give a :class:`~tokenloom.serve.audit.MixtureAudit` on one rank to log every step."""
+        self._iterator = None
+        if self.mode is LoadMode.BROADCAST and topology.tp > 1 and self.plan.fields and tp_group is None:
+            raise ConfigError("LoadMode.BROADCAST with tp > 1 needs tp_group (see tensor_parallel_group)")
+
+    def _start_loader(self) -> None:
+        loader = build_dataloader(self.source, self.geometry, topology=self.topology, rank=self.plan.coordinates.rank,
+                                  options=self.options, stateful=False, mode=LoadMode.EVERY_RANK,
+                                  max_steps=self.sampler.max_steps, whole_steps=True, **self._loader_kwargs)
+        loader.batch_sampler.load_state_dict(self.sampler.state_dict())
+        self._iterator = iter(loader)
+        self._pending: list = []
+
+    def _next_loaded(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch from the step-sized items the DataLoader delivers."""
+        if not self._pending:
+            item = next(self._iterator)
+            micro = self.geometry.micro_batch_size
+            count = item["dataset_id"].shape[0] // micro
+            self._pending = [{k: v[m * micro:(m + 1) * micro] for k, v in item.items()} for m in range(count)]
+            self._pending.reverse()
+        return self._pending.pop()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | None]:
+        while not self.sampler.exhausted():
+            yield self.next_batch()
+
+    def next_batch(self) -> dict[str, torch.Tensor] | None:
+        """The next micro-batch on this rank (collective inside a tensor group in BROADCAST)."""
+        if self.sampler.exhausted():
+            raise StopIteration
+        if self.audit is not None and self.sampler.micro_batch == 0:
+            self.audit.record_step(self.sampler)
+        if self.plan.loads and self._iterator is None:
+            self._start_loader()  # from the state before this micro-batch
+        self.sampler.advance()
+        if not self.plan.fields:
+            return None
+        batch = None
+        if self.plan.loads:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
+        if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
+            batch = self._broadcast(batch)
+        return batch
+
+    def _broadcast(self, batch):
+        spec = batch_shapes(self.source, self.geometry.micro_batch_size, self.plan.fields, self.topology.cp, self.options)
+        source_rank = self.plan.tensor_group[0]
+        out = {}
+        for name, (shape, dtype) in spec.items():
+            # gloo has no bool or int16 broadcast: send those as int64 / uint8
+            wire = torch.uint8 if dtype == torch.bool else (torch.int64 if dtype in (torch.int16, torch.int32) else dtype)
+            if batch is not None:
+                tensor = batch[name].to(wire).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=wire, device=self.device)
+            dist.broadcast(tensor, src=source_rank, group=self.tp_group)
+            out[name] = tensor.to(dtype)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Layout-free state, the same on every rank."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume (on any layout, between steps); the DataLoader restarts from there."""
+        self.sampler.load_state_dict(state)
+        self._iterator = None
+        if self.audit is not None:
+            self.audit.check_resume(self.sampler)
+
+
+__all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes", "build_dataloader",
+           "passthrough_collate", "tensor_parallel_group"]

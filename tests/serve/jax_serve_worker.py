@@ -1,0 +1,41 @@
+"""Run by test_serve_jax.py: one of 2 JAX processes, 4 CPU devices each, records its shards."""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from tokenloom.serve import SampleOptions, StoreBlendSource
+from tokenloom.serve.jax_adapter import HostLoader, ShardOptions, make_global_batch
+
+
+def main() -> None:
+    config = json.load(open(sys.argv[1]))
+    process_id = int(sys.argv[2])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{config['port']}", num_processes=2,
+                               process_id=process_id, initialization_timeout=120)
+    try:
+        source = StoreBlendSource.from_prefixes(config["prefixes"], [0.3, 0.7], num_samples=300, seq_length=8, seed=2)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        loader = HostLoader(source, global_batch_size=16, shard=ShardOptions.from_jax(),
+                            options=SampleOptions(reset_position_ids=True, eod_mask_loss=True), max_steps=3)
+        shards = []
+        for step, host_batch in enumerate(loader):
+            batch = make_global_batch(host_batch, mesh)
+            for field, array in batch.items():
+                if array.ndim != 2:
+                    continue
+                global_shape = list(array.shape)
+                for shard in array.addressable_shards:
+                    rows = shard.index[0]
+                    shards.append([step, field, rows.start, rows.stop, np.asarray(shard.data).tolist()])
+        record = {"local_devices": jax.local_device_count(), "global_shape": global_shape, "shards": shards}
+        with open(f"{config['out']}/process{process_id}.json", "w") as f:
+            json.dump(record, f)
+    finally:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Run by test_serve_torch.py under torchrun: one rank of a tp=2 x pp=2 job saves what it got."""
+
+import json
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+from tokenloom.serve import BatchGeometry, MixtureAudit, StoreBlendSource, Topology
+from tokenloom.serve.torch_adapter import DistributedBatches, tensor_parallel_group
+
+
+def main() -> None:
+    config = json.load(open(sys.argv[1]))
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        topology = Topology(dp=1, tp=2, pp=2)
+        source = StoreBlendSource.from_prefixes(config["prefixes"], config["weights"],
+                                                num_samples=config["num_samples"],
+                                                seq_length=config["seq_length"], seed=config["seed"])
+        geometry = BatchGeometry(global_batch_size=4, micro_batch_size=2, dp=1)
+        group = tensor_parallel_group(topology, rank)
+        for mode, workers in (("broadcast", 1), ("every_rank", 0)):
+            audit = MixtureAudit(f"{config['out']}/{mode}-audit.jsonl") if rank == 0 else None
+            batches = DistributedBatches(source, geometry, topology, rank, mode=mode, tp_group=group,
+                                         num_workers=workers, max_steps=3, audit=audit)
+            saved = {}
+            for n, batch in enumerate(batches):
+                for k, v in batch.items():
+                    saved[f"{n}/{k}"] = v.numpy()
+            np.savez(f"{config['out']}/{mode}-rank{rank}.npz", **saved)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
