@@ -31,6 +31,7 @@ This is exactly the ``(position, offset)`` megatron-core's ``build_sample_idx`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -169,8 +170,11 @@ class StatelessGPTIndex:
         keys = tuple(int(k) for k in self.document_keys[epoch])
         return FeistelPermutation(size=self.num_documents, round_keys=keys, backend=self.backend)
 
+    @functools.cached_property
     def _sample_parts(self) -> list[tuple[int, FeistelPermutation]]:
-        """(start, permutation) of each independently shuffled range of sample ids."""
+        """(start, permutation) of each independently shuffled range of sample ids.
+
+        Derived once per index: deriving round keys hashes the seed, far costlier than a lookup."""
         total = self.num_samples
         split_at = self.plan.num_samples_sans_final_epoch if self.plan.separate_final_epoch else total
         parts = []
@@ -185,7 +189,7 @@ class StatelessGPTIndex:
         """Packed sample served at each of ``sample_ids`` (megatron-core's ``shuffle_index[i]``)."""
         ids = self._check_sample_ids(sample_ids)
         out = np.empty_like(ids)
-        for start, perm in self._sample_parts():
+        for start, perm in self._sample_parts:
             inside = (ids >= start) & (ids < start + perm.size)
             out[inside] = start + perm(ids[inside] - start)
         return out
