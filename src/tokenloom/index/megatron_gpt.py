@@ -188,6 +188,14 @@ def default_sample_index_kernel() -> str:
     return "numba" if numba_available() else "numpy"
 
 
+def _check_kernel(name: str) -> None:
+    if name not in SAMPLE_INDEX_KERNELS:
+        raise ConfigError(f"kernel={name!r}; expected one of {sorted(SAMPLE_INDEX_KERNELS)}")
+    if name == "numba" and not numba_available():
+        raise ConfigError("kernel='numba' needs numba (the tokenloom[fast] extra); "
+                          "kernel='numpy' gives the same arrays without it")
+
+
 def sample_index_dtype(num_positions: int) -> type[np.integer]:
     """int32 while every document position fits, else int64 (megatron-core's switch)."""
     return np.int32 if num_positions <= INT32_MAX else np.int64
@@ -202,8 +210,7 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
                        *, kernel: str | None = None) -> np.ndarray:
     """The (num_samples + 1, 2) sample index walking ``document_index`` (no randomness)."""
     name = default_sample_index_kernel() if kernel is None else kernel
-    if name not in SAMPLE_INDEX_KERNELS:
-        raise ConfigError(f"kernel={kernel!r}; expected one of {sorted(SAMPLE_INDEX_KERNELS)}")
+    _check_kernel(name)
     num_positions = int(document_index.shape[0])
     dtype = sample_index_dtype(num_positions)
     if plan.num_samples_in_index < 0:
@@ -326,8 +333,7 @@ def build_megatron_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.nd
     plan = plan_epochs(lengths, ids, num_samples=num_samples, seq_length=seq_length,
                        add_extra_token=add_extra_token, drop_last_partial=drop_last_partial)
     kernel = default_sample_index_kernel() if kernel is None else kernel
-    if kernel not in SAMPLE_INDEX_KERNELS:
-        raise ConfigError(f"kernel={kernel!r}; expected one of {sorted(SAMPLE_INDEX_KERNELS)}")
+    _check_kernel(kernel)
     fast = kernel == "numba"
     random_state = np.random.RandomState(seed)
     document_index = build_document_index(ids, plan, random_state, fast=fast)
