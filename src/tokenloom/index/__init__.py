@@ -28,7 +28,13 @@ from tokenloom.index.megatron_gpt import (
     megatron_gpt_sample,
 )
 from tokenloom.index.packing import EpochPlan, plan_epochs
-from tokenloom.index.split import DocumentRange, SplitDocumentRanges, parse_split, split_document_ranges
+from tokenloom.index.split import (
+    DocumentRange,
+    SplitDocumentRanges,
+    document_ids,
+    parse_split,
+    split_document_ranges,
+)
 from tokenloom.index.stateless import SampleSpans, StatelessGPTIndex, build_stateless_gpt_index
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "StatelessGPTIndex",
     "build_megatron_gpt_indices",
     "build_stateless_gpt_index",
+    "document_ids",
     "largest_remainder_counts",
     "megatron_blend",
     "megatron_exhaustive_blend",
