@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import ConfigError
-from tokenloom.index import megatron_blend as mb
+# the module, not the function tokenloom.index re-exports under the same name
+mb = importlib.import_module("tokenloom.index.megatron_blend")
 
 helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
 
