@@ -1,0 +1,194 @@
+"""The build's own collectives: a gloo group, statuses gathered before any barrier, no hangs.
+
+The build never uses the job's default group for its traffic: it makes its own gloo group over
+the same ranks (so it works under NCCL jobs, on CPU, with a timeout of its own). Every phase ends
+with :func:`agree`: each rank contributes ``None`` or the failure it caught, all ranks gather
+them, and if any rank failed every rank raises the same :class:`BuildError`, built from the
+gathered list alone. A rank that died makes the gather fail (gloo reports the closed connection,
+or the group's timeout expires); survivors turn that into a BuildError too.
+
+Without torch (or outside a distributed job) :class:`LocalGroup` stands in with one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tokenloom.errors import BuildError, TokenloomError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """What went wrong on one rank: enough to name the rank, the item and the cause."""
+
+    rank: int
+    """Rank in the build's group."""
+    phase: str
+    """``fingerprint``, ``build``, ``transfer``, ``finalize``."""
+    item: str | None
+    """The item or store being worked on, or None."""
+    error_type: str
+    """Exception class name."""
+    message: str
+    """The exception's message."""
+
+    def describe(self) -> str:
+        where = f" while building {self.item}" if self.item else ""
+        return f"rank {self.rank} failed in {self.phase}{where}: {self.error_type}: {self.message}"
+
+
+def failure_from(exc: BaseException, *, rank: int, phase: str, item: str | None) -> Failure:
+    return Failure(rank=rank, phase=phase, item=item, error_type=type(exc).__name__, message=str(exc))
+
+
+class LocalGroup:
+    """One process: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+    timeout_s = float("inf")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_bytes(self, data: bytes | None, src: int, size: int) -> bytes:
+        return data if data is not None else b""
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TorchGroup:
+    """A gloo group of torch.distributed over the ranks of ``group`` (default: all ranks)."""
+
+    def __init__(self, group=None, *, timeout_s: float) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.timeout_s = float(timeout_s)
+        timeout = timedelta(seconds=self.timeout_s)
+        parent = group if group is not None else dist.group.WORLD
+        ranks = sorted(dist.get_process_group_ranks(parent))
+        try:
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                        use_local_synchronization=group is not None)
+        except Exception as exc:  # pragma: no cover - depends on the job's setup
+            raise BuildError(f"could not create the build's gloo group over ranks {ranks[:8]}...: {exc}") from exc
+        self.ranks = ranks
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int, size: int) -> bytes:
+        """``size`` bytes from group rank ``src`` to every rank (``data`` is read on ``src``)."""
+        import numpy as np
+        import torch
+
+        if self.rank == src:
+            tensor = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+        else:
+            tensor = torch.empty(size, dtype=torch.uint8)
+        self._dist.broadcast(tensor, src=self.ranks[src], group=self.group)
+        return tensor.numpy().tobytes()
+
+    def barrier(self) -> None:
+        # a gather of nothing: completes only when every rank arrives, fails on a dead rank
+        self.all_gather_object(None)
+
+    def close(self) -> None:
+        try:
+            self._dist.destroy_process_group(self.group)
+        except Exception:  # pragma: no cover - best effort on teardown
+            pass
+
+
+def open_group(group=None, *, timeout_s: float):
+    """The build's group: a gloo group over ``group``'s ranks, over the initialised default group,
+    or :class:`LocalGroup` when torch.distributed is not in use. Returns ``(group, owned)`` where
+    ``owned`` says this call initialised torch.distributed (from torchrun's environment) and the
+    caller must destroy it."""
+    owned = False
+    if group is None and _dist_if_initialized() is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return LocalGroup(), False
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        owned = True
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return LocalGroup(), owned
+    return TorchGroup(group, timeout_s=timeout_s), owned
+
+
+def _dist_if_initialized():
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None  # nobody imported torch.distributed, so no group can exist
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def gather(group, obj: Any, *, phase: str) -> list[Any]:
+    """``all_gather_object`` that turns a broken group (a dead or hung rank) into a BuildError."""
+    try:
+        return group.all_gather_object(obj)
+    except TokenloomError:
+        raise
+    except Exception as exc:
+        raise BuildError(
+            f"rank {group.rank}: the other ranks did not answer in the {phase} phase within "
+            f"{group.timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "a rank was killed or hung. Rerun the build: finished items are reused from the cache"
+        ) from exc
+
+
+def agree(group, failure: Failure | None, *, phase: str, payload: Any = None) -> list[Any]:
+    """Gather every rank's ``(failure, payload)``; if any rank failed, raise the same BuildError
+    on every rank. Returns the payloads, by rank."""
+    statuses = gather(group, (failure, payload), phase=phase)
+    failures = [f for f, _ in statuses if f is not None]
+    if failures:
+        failures.sort(key=lambda f: f.rank)
+        first = failures[0]
+        more = "" if len(failures) == 1 else f" (and {len(failures) - 1} more: " + "; ".join(
+            f.describe() for f in failures[1:4]) + ("; ..." if len(failures) > 4 else "") + ")"
+        raise BuildError(first.describe() + more)
+    return [p for _, p in statuses]
+
+
+def node_key(cache_dir: str) -> tuple[str, str]:
+    """Ranks with equal keys see the same cache directory (same host, same resolved path)."""
+    return (socket.gethostname(), os.path.realpath(cache_dir))
+
+
+def writers_by_node(keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """The lowest rank of each node key: the one that writes shared files there."""
+    writers: dict[tuple[str, str], int] = {}
+    for rank, key in enumerate(keys):
+        writers.setdefault(key, rank)
+    return writers
+
+
+__all__ = ["Failure", "LocalGroup", "TorchGroup", "agree", "failure_from", "gather", "node_key",
+           "open_group", "writers_by_node"]

@@ -1,0 +1,72 @@
+"""megatron-core's own builder on a build config: loading a cache without building anything, or
+building from scratch for comparison."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from build_fixtures import NULL_TOKENIZER
+
+
+def _megatron():
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    pytest.importorskip("megatron.core")
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return helpers, BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig, NullTokenizer
+
+
+def _blend(value):
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return (list(value["prefixes"]), None if value.get("weights") is None else list(value["weights"]))
+    return value
+
+
+def megatron_datasets(config: dict, path_to_cache):
+    """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping."""
+    helpers, Builder, GPTDataset, GPTDatasetConfig, NullTokenizer = _megatron()
+    tokenizer = NullTokenizer(1000)
+    assert dict(tokenizer.unique_identifiers) == NULL_TOKENIZER
+    per_split = config.get("blend_per_split")
+    if isinstance(per_split, dict):
+        per_split = [_blend(per_split.get(n)) for n in ("train", "valid", "test")]
+    elif per_split is not None:
+        per_split = [_blend(b) for b in per_split]
+    mcfg = GPTDatasetConfig(
+        random_seed=config.get("seed", 1234), sequence_length=config["seq_length"],
+        blend=_blend(config.get("blend")), blend_per_split=per_split, split=config.get("split"),
+        path_to_cache=str(path_to_cache), tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False,
+        add_extra_token_to_sequence=config.get("add_extra_token", True),
+        drop_last_partial_validation_sequence=config.get("drop_last_partial_validation_sequence", True),
+        mid_level_dataset_surplus=config.get("mid_level_dataset_surplus", 0.005),
+    )
+    sizes = [config.get("train_samples"), config.get("valid_samples"), config.get("test_samples")]
+    return Builder(GPTDataset, sizes, lambda: True, mcfg).build()
+
+
+def megatron_build_without_building(config: dict, path_to_cache):
+    """megatron-core's datasets from ``path_to_cache``, failing if it would build any array."""
+    helpers = _megatron()[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("megatron-core built an index instead of loading it from the cache")
+
+    saved = {name: getattr(helpers, name) for name in
+             ("build_sample_idx", "build_blending_indices", "build_exhaustive_blending_indices")}
+    try:
+        for name in saved:
+            setattr(helpers, name, refuse)
+        return megatron_datasets(config, path_to_cache)
+    finally:
+        for name, function in saved.items():
+            setattr(helpers, name, function)
