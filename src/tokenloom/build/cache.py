@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import os
 import socket
 import threading
@@ -52,6 +53,8 @@ _HASH_CHUNK = 1 << 24
 
 #: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
 PACK_BYTES = 1 << 29
+
+log = logging.getLogger(__name__)
 
 
 def _fsync_dir(path: str) -> None:
@@ -200,6 +203,9 @@ class Cache:
         self._lock_fd: int | None = None
         self._ensured = False
         self._index: dict[str, tuple[str, dict]] = {}  # key -> (pack .bin path, record)
+        # key -> {pack .bin path: record}: every copy. Two jobs may both build an item (see
+        # acquire); their copies hold identical bytes at different offsets of different packs.
+        self._copies: dict[str, dict[str, dict]] = {}
         self._seen_packs: set[str] = set()
         self._maps: dict[str, np.memmap] = {}
         self._index_lock = threading.Lock()
@@ -232,6 +238,7 @@ class Cache:
                 bin_path = path[: -len(".json")] + ".bin"
                 for key, record in index.get("items", {}).items():
                     self._index.setdefault(key, (bin_path, record))
+                    self._copies.setdefault(key, {})[bin_path] = record
                 self._seen_packs.add(name)
 
     def has(self, key: str, *, refresh: bool = True) -> bool:
@@ -325,6 +332,7 @@ class Cache:
         with self._index_lock:
             for key, record in records.items():
                 self._index.setdefault(key, (final, record))
+                self._copies.setdefault(key, {})[final] = record
             self._seen_packs.add(f"{name}.json")
         for item in items:
             if item.on_published is not None:
@@ -347,7 +355,11 @@ class Cache:
         try:
             fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, 1, offset)
         except OSError:
-            pass  # no locking on this filesystem: identical writes keep the cache correct
+            # No locking on this filesystem, or EDEADLK: record locks belong to processes, so two
+            # jobs whose threads wait on each other's held items form a cycle the kernel refuses.
+            # Building without the lock is safe: both jobs write identical bytes, and the index
+            # keeps the first pack published.
+            log.debug("%s: building item %s without its lock", self.root, key)
         return offset
 
     def release(self, token: int) -> None:
@@ -431,6 +443,13 @@ def verify_cache(root: str) -> VerifyReport:
                 problems.append(f"item {key} ({entry.get('label')}, listed in {path}) is in no pack index")
                 continue
             pack_path, record = cache._index[key]
+            if entry.get("pack") is not None:  # the copy this manifest's build uses
+                pack_path = os.path.join(cache.root, PACKS_DIR, f"{entry['pack']}.bin")
+                record = cache._copies[key].get(pack_path)
+                if record is None:
+                    problems.append(f"{pack_path[:-4]}.json: does not index item {key}, which manifest {path} "
+                                    "places in that pack")
+                    continue
             if record.get("files") != entry.get("files"):
                 problems.append(f"{pack_path[:-4]}.json: item {key} differs from manifest {path}")
             if not os.path.isfile(pack_path):

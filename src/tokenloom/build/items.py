@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -28,6 +27,7 @@ from tokenloom.build.keys import CACHE_FORMAT_VERSION, hash_key
 from tokenloom.build.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.build.stores import StoreInfo
 from tokenloom.errors import ConfigError
+from tokenloom.index.blend_spec import megatron_normalize, megatron_sizes
 from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 
@@ -136,17 +136,6 @@ def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ resolution
-
-
-def megatron_normalize(weights) -> list[float]:
-    """megatron-core's ``normalize``: divide by the float64 sum, back to Python floats."""
-    w = np.array(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
-
-
-def megatron_dataset_sizes(normalized_weights: list[float], target: int, surplus: float) -> list[int]:
-    """Samples megatron-core asks of each blended dataset: ``ceil(ceil(target * w) * (1 + surplus))``."""
-    return [int(math.ceil(math.ceil(target * w) * (1 + surplus))) for w in normalized_weights]
 
 
 def split_ranges(config: BuildConfig, num_sequences: int, prefix: str) -> list[tuple[int, int] | None]:
@@ -274,20 +263,19 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[
                 raise ConfigError(
                     f"{split}_samples is None but the {split} blend has weights; megatron-core needs a "
                     f"sample count to blend by weight: set {split}_samples or drop the weights")
-            normalized = megatron_normalize(blend.weights)
-            targets = [int(math.ceil(size * w)) for w in normalized]
-            buffered = megatron_dataset_sizes(normalized, size, config.mid_level_dataset_surplus)
+            megatron = megatron_sizes(blend.weights, size, surplus=config.mid_level_dataset_surplus)
             datasets = [_gpt_item(config, infos[p], split_index, *r, n)
-                        for p, r, n in zip(blend.prefixes, ranges, buffered)]
-            blend_weights = megatron_normalize(normalized)  # BlendedDataset normalises again
-            blend_size: int | None = sum(targets)
+                        for p, r, n in zip(blend.prefixes, ranges, megatron.buffers)]
+            # BlendedDataset normalises the already normalised weights once more.
+            blend_weights = megatron_normalize(megatron_normalize(blend.weights)).tolist()
+            blend_size: int | None = megatron.blended_size
         else:
             datasets = [_gpt_item(config, infos[p], split_index, *r, None)
                         for p, r in zip(blend.prefixes, ranges)]
             blend_weights = [d.num_samples for d in datasets]
             if size is not None:
                 blend_size = min(size, sum(blend_weights))
-                blend_weights = megatron_normalize(blend_weights)
+                blend_weights = megatron_normalize(blend_weights).tolist()
             else:
                 blend_size = None
         for item in datasets:
@@ -309,7 +297,7 @@ def _stateless_sizes(config, infos, blend, split_index, ranges, size):
     if blend.weights is not None:
         if size is None:
             raise ConfigError(f"{split}_samples is None but the {split} blend has weights; set {split}_samples")
-        weights = megatron_normalize(blend.weights)
+        weights = megatron_normalize(blend.weights).tolist()
         counts = largest_remainder_counts(np.asarray(weights), size).tolist()
         datasets = [_gpt_item(config, infos[p], split_index, *r, int(n))
                     for p, r, n in zip(blend.prefixes, ranges, counts)]
@@ -317,7 +305,7 @@ def _stateless_sizes(config, infos, blend, split_index, ranges, size):
     datasets = [_gpt_item(config, infos[p], split_index, *r, None) for p, r in zip(blend.prefixes, ranges)]
     lengths = [d.num_samples for d in datasets]
     total = sum(lengths) if size is None else min(size, sum(lengths))
-    return datasets, megatron_normalize(lengths), int(total)
+    return datasets, megatron_normalize(lengths).tolist(), int(total)
 
 
 def assign_lpt(items: list[WorkItem], world_size: int) -> dict[str, int]:
@@ -372,6 +360,6 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
 
 
 __all__ = [
-    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "format_plan", "megatron_dataset_sizes",
-    "megatron_normalize", "plan_build", "ranges_for", "resolve_items", "split_ranges",
+    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "format_plan", "plan_build", "ranges_for",
+    "resolve_items", "split_ranges",
 ]

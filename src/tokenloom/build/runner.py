@@ -356,7 +356,7 @@ class _Build:
             record = self.cache.read_record(item.key)  # this node's copy (its own pack offsets)
             entries.append({
                 "key": item.key, "kind": item.kind, "split": item.split, "label": item.label,
-                "files": record["files"], "built_this_run": item.key in records,
+                "pack": record["pack"], "files": record["files"], "built_this_run": item.key in records,
                 "built_by_rank": record["built_by"]["rank"], "seconds": record["seconds"],
                 "megatron_md5": record.get("megatron_md5"),
             })
