@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenloom.serve.audit import read_audit_log, summarize_audit
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,6 +25,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    from tokenloom.serve.audit import read_audit_log, summarize_audit
+
     log = read_audit_log(args.log)
     rows = summarize_audit(log)
     last_steps = log.records[-args.steps:] if args.steps > 0 else []

@@ -12,9 +12,12 @@ import logging
 import sys
 
 from tokenloom import __version__
+from tokenloom._cli_build import add_build_parser, add_cache_parser
+from tokenloom._cli_plan import add_plan_parser
+from tokenloom._cli_serve import add_audit_parser
+from tokenloom._cli_tokenize import add_tokenize_parser
 from tokenloom.errors import TokenloomError
 
-log = logging.getLogger("tokenloom")
 
 
 # -- inspect ---------------------------------------------------------------------------------------
@@ -128,27 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _optional_subcommands():
-    """Subcommands that live beside this module (imported lazily by their run functions)."""
-    adders = []
-    for module_name, function_name in (
-        ("tokenloom._cli_tokenize", "add_tokenize_parser"),
-        ("tokenloom._cli_plan", "add_plan_parser"),
-        ("tokenloom._cli_build", "add_build_parser"),
-        ("tokenloom._cli_build", "add_cache_parser"),
-        ("tokenloom._cli_serve", "add_audit_parser"),
-    ):
-        try:
-            module = __import__(module_name, fromlist=[function_name])
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        adders.append(getattr(module, function_name))
-    return adders
-
-
-_SUBCOMMANDS = [*_optional_subcommands(), _add_inspect, _add_merge, _add_demo]
+_SUBCOMMANDS = [
+    add_plan_parser,
+    add_tokenize_parser,
+    _add_inspect,
+    _add_merge,
+    add_build_parser,
+    add_cache_parser,
+    add_audit_parser,
+    _add_demo,
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 
 from tokenloom.build.keys import CACHE_FORMAT_VERSION
 from tokenloom.errors import BuildError, FormatError
-from tokenloom.io.writer import write_json_atomic
+from tokenloom.io.writer import fsync_dir, write_json_atomic
 
 PACKS_DIR = "packs"
 BUILDS_DIR = "builds"
@@ -55,19 +55,6 @@ _HASH_CHUNK = 1 << 24
 PACK_BYTES = 1 << 29
 
 log = logging.getLogger(__name__)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def npy_header(array: np.ndarray) -> bytes:
@@ -318,7 +305,7 @@ class Cache:
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, final)
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
             write_json_atomic(os.path.join(self.root, PACKS_DIR, f"{name}.json"),
                               {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
                                "items": records})

@@ -21,13 +21,11 @@ from typing import Any, Mapping, NamedTuple
 import yaml
 
 from tokenloom.errors import ConfigError
+from tokenloom.index.blend_spec import DEFAULT_SURPLUS
 from tokenloom.index.split import SPLIT_NAMES, parse_split
 
 #: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
 MODES = ("exact", "stateless")
-
-#: Megatron's default ``mid_level_dataset_surplus``.
-DEFAULT_SURPLUS = 0.005
 
 
 class DatasetBlend(NamedTuple):

@@ -29,7 +29,8 @@ from tokenloom.io.format import (
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (best effort where directories cannot be fsynced)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -269,7 +270,7 @@ class IndexedDatasetWriter:
                 _remove_quietly(meta_path(self.prefix))
             os.replace(self._bin_tmp, bin_path(self.prefix))
             os.replace(idx_tmp, idx_path(self.prefix))
-            _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         except BaseException:
             self._state = "aborted"
             _remove_quietly(self._bin_tmp)

@@ -18,7 +18,6 @@ from tokenloom.serve.source import (
     SampleSource,
     StoreBlendSource,
     gather_gpt_samples,
-    megatron_blend_sizes,
     read_positions,
 )
 from tokenloom.serve.simulate import JobReport, simulate_job
@@ -59,7 +58,6 @@ __all__ = [
     "context_parallel_positions",
     "context_parallel_slice",
     "gather_gpt_samples",
-    "megatron_blend_sizes",
     "read_audit_log",
     "read_batch",
     "read_positions",

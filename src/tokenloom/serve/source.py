@@ -24,13 +24,14 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index.blend_spec import DEFAULT_SURPLUS, megatron_normalize, megatron_sizes
 from tokenloom.index.megatron_blend import megatron_blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices, build_megatron_gpt_indices
 from tokenloom.index.split import SPLIT_NAMES, document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset
 from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
 
-MEGATRON_SURPLUS = 0.005
+MEGATRON_SURPLUS = DEFAULT_SURPLUS
 """megatron-core's default ``mid_level_dataset_surplus``: each dataset builds 0.5% more samples
 than the blend asks of it."""
 
@@ -127,23 +128,6 @@ def _resolve(backend: str | None) -> str:
 # --------------------------------------------------------------------------- the in-memory source
 
 
-def megatron_blend_sizes(weights: Sequence[float], num_samples: int, *,
-                         surplus: float = MEGATRON_SURPLUS) -> tuple[list[float], list[int], list[int], int]:
-    """megatron-core's sizing of a weighted blend of one split.
-
-    Returns ``(weights, samples_per_dataset, built_per_dataset, blend_size)``: the weights the
-    blend runs with (normalised twice, as the builder and then ``BlendedDataset`` each do), the
-    samples the blend takes from each dataset (``ceil(num_samples * w)``), the samples each
-    dataset builds (that times ``1 + surplus``, rounded up) and the blend's length (their sum).
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    once = (w / np.sum(w)).tolist()
-    twice = (np.asarray(once, dtype=np.float64) / np.sum(np.asarray(once, dtype=np.float64))).tolist()
-    taken = [int(math.ceil(math.ceil(num_samples * x) * 1.0)) for x in once]
-    built = [int(math.ceil(math.ceil(num_samples * x) * (1 + surplus))) for x in once]
-    return twice, taken, built, sum(taken)
-
-
 def _eod_of(store: IndexedDataset) -> int | None:
     metadata = store.metadata or {}
     record = metadata.get("tokenizer") or {}
@@ -218,7 +202,10 @@ class StoreBlendSource:
             raise ConfigError(f"num_samples={num_samples!r}; expected a positive integer")
         if names is not None and len(names) != len(prefixes):
             raise ConfigError(f"{len(names)} names for {len(prefixes)} prefixes")
-        blend_weights, _, built, blend_size = megatron_blend_sizes(weights, int(num_samples), surplus=surplus)
+        sizes = megatron_sizes(weights, int(num_samples), surplus=surplus)
+        # BlendedDataset normalises the builder's already normalised weights once more.
+        blend_weights = megatron_normalize(megatron_normalize(weights)).tolist()
+        built, blend_size = sizes.buffers, sizes.blended_size
         stores = [IndexedDataset(p) for p in prefixes]
         drop_last = split_name != "valid" or bool(drop_last_partial)
         indices, infos, inputs = [], [], []
@@ -309,7 +296,6 @@ __all__ = [
     "SampleSource",
     "StoreBlendSource",
     "gather_gpt_samples",
-    "megatron_blend_sizes",
     "read_positions",
     "resolve_eod",
 ]
