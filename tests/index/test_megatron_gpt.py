@@ -27,6 +27,7 @@ from tokenloom.index.packing import plan_epochs
 from tokenloom.index.randomstate_shuffle import numba_available
 from tokenloom.index.split import document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset as TokenloomStore
+from index_fixtures import ArrayReader, numbered_documents
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden" / "index"
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,23 +66,6 @@ def megatron_indices(lengths, ids, *, num_samples, seq_length, seed, extra, vali
     split = Split.valid if valid else Split.train
     dataset = gpt_dataset.GPTDataset(_Lengths(lengths), None, ids, num_samples, split, config)
     return dataset.document_index, dataset.sample_index, dataset.shuffle_index
-
-
-class ArrayReader:
-    """A token reader over in-memory documents."""
-
-    def __init__(self, documents):
-        self.documents = documents
-
-    def get(self, sequence_id, offset=0, length=None):
-        document = self.documents[sequence_id]
-        stop = document.shape[0] if length is None else offset + length
-        return document[offset:stop]
-
-
-def numbered_documents(lengths):
-    """Document d's token at offset o is d * 100_000 + o: every token of the store is distinct."""
-    return [np.arange(n, dtype=np.int64) + d * 100_000 for d, n in enumerate(lengths.tolist())]
 
 
 def reference_sample_index(lengths, document_index, seq_length, num_samples, extra):

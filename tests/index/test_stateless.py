@@ -14,29 +14,13 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.feistel import BACKENDS, FeistelPermutation
 from tokenloom.index.megatron_gpt import build_sample_index, megatron_gpt_sample
 from tokenloom.index.stateless import StatelessGPTIndex, build_stateless_gpt_index
+from index_fixtures import ArrayReader, numbered_documents
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BACKEND_NAMES = sorted(BACKENDS)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class ArrayReader:
-    """A token reader over in-memory documents (the ``IndexedDataset.get`` signature)."""
-
-    def __init__(self, documents):
-        self.documents = documents
-
-    def get(self, sequence_id, offset=0, length=None):
-        document = self.documents[sequence_id]
-        stop = document.shape[0] if length is None else offset + length
-        return document[offset:stop]
-
-
-def numbered_documents(lengths):
-    """Document d's token at offset o is d * 100_000 + o: every token of the store is distinct."""
-    return [np.arange(n, dtype=np.int64) + d * 100_000 for d, n in enumerate(lengths.tolist())]
 
 
 def reference_document_order(index: StatelessGPTIndex) -> np.ndarray:
