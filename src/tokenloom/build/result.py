@@ -22,7 +22,7 @@ from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.io import IndexedDataset
-from tokenloom.serve.source import DatasetInfo, gather_gpt_samples
+from tokenloom.serve.source import DatasetInfo, gather_gpt_samples, read_by_dataset, resolve_eod
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -68,7 +68,7 @@ class BuiltSplit:
         self._build_key = build_key
         self._pad_id = int(pad_id)
         self._infos = tuple(
-            DatasetInfo(name=d.prefix, weight=float(w), num_samples=d.num_samples, eod_id=_eod_of(d.store))
+            DatasetInfo(name=d.prefix, weight=float(w), num_samples=d.num_samples, eod_id=resolve_eod(d.store, None))
             for d, w in zip(datasets, weights)
         )
 
@@ -118,26 +118,15 @@ class BuiltSplit:
 
     def read_samples(self, dataset_ids, sample_ids) -> np.ndarray:
         """``(B, seq_length + add_extra_token)`` int64 tokens of (dataset, sample) pairs."""
-        dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
-        sample_ids = np.asarray(sample_ids, dtype=np.int64)
-        width = self._seq_length + int(self._add_extra_token)
-        out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
-        for d in np.unique(dataset_ids):
-            if not 0 <= d < len(self.dataset_indices):
-                raise ConfigError(f"dataset id {int(d)}; the {self.name} split has {len(self.dataset_indices)} datasets")
-            rows = np.flatnonzero(dataset_ids == d)
-            wanted = sample_ids[rows]
+        def fill(d, rows, wanted, out):
             dataset = self.dataset_indices[d]
-            if wanted.min() < 0 or wanted.max() >= dataset.num_samples:
-                raise ConfigError(
-                    f"dataset {int(d)} ({dataset.prefix}) asked for sample {int(wanted.max())} but its "
-                    f"index holds {dataset.num_samples}"
-                )
             if isinstance(dataset.indices, StatelessGPTIndex):
                 out[rows] = read_stateless_samples(dataset.indices, dataset.store, wanted)
             else:
                 out[rows] = gather_gpt_samples(dataset.indices, dataset.store, wanted, pad_id=self._pad_id)
-        return out
+
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self._infos,
+                               width=self._seq_length + int(self._add_extra_token), fill=fill)
 
     def __getitem__(self, position: int) -> np.ndarray:
         """Tokens of one blend position (megatron-core's ``BlendedDataset[i]["text"]``)."""
@@ -146,12 +135,6 @@ class BuiltSplit:
     def __repr__(self) -> str:
         return (f"BuiltSplit({self.name!r}, datasets={len(self.dataset_indices)}, "
                 f"num_samples={self._num_samples}, seq_length={self._seq_length})")
-
-
-def _eod_of(store: IndexedDataset) -> int | None:
-    record = (store.metadata or {}).get("tokenizer") or {}
-    eod = record.get("eod_id")
-    return None if eod is None else int(eod)
 
 
 class BuildResult:

@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -142,6 +142,30 @@ def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
         raise ConfigError(f"{store.prefix}: eod_id={eod_id} but the store's tokenizer record says {recorded}; "
                           "drop eod_id or use stores made with that tokenizer")
     return recorded if eod_id is None else int(eod_id)
+
+
+def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo], width: int,
+                    fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
+    """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
+
+    Every dataset id and sample id is checked against ``datasets`` first; then
+    ``fill(d, rows, sample_ids_of_d, out)`` writes dataset ``d``'s samples into ``out[rows]``.
+    """
+    dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
+    sample_ids = np.asarray(sample_ids, dtype=np.int64)
+    out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
+    for d in np.unique(dataset_ids):
+        if not 0 <= d < len(datasets):
+            raise ConfigError(f"dataset id {int(d)}; the blend has {len(datasets)} datasets")
+        rows = np.flatnonzero(dataset_ids == d)
+        wanted = sample_ids[rows]
+        available = datasets[d].num_samples
+        if wanted.min() < 0 or wanted.max() >= available:
+            bad = int(wanted.min()) if wanted.min() < 0 else int(wanted.max())
+            raise ConfigError(f"dataset {int(d)} ({datasets[d].name}) asked for sample {bad} but its index "
+                              f"holds {available}; build it with more samples")
+        fill(int(d), rows, wanted, out)
+    return out
 
 
 def _digest(value) -> str:
@@ -267,23 +291,11 @@ class StoreBlendSource:
                 self.dataset_sample_index[positions].astype(np.int64))
 
     def read_samples(self, dataset_ids: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
-        dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
-        sample_ids = np.asarray(sample_ids, dtype=np.int64)
-        width = self._seq_length + int(self._add_extra_token)
-        out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
-        for d in np.unique(dataset_ids):
-            rows = np.flatnonzero(dataset_ids == d)
-            if d < 0 or d >= len(self._datasets):
-                raise ConfigError(f"dataset id {int(d)}; the blend has {len(self._datasets)} datasets")
-            wanted = sample_ids[rows]
-            available = self._datasets[d].num_samples
-            if wanted.min() < 0 or wanted.max() >= available:
-                raise ConfigError(
-                    f"dataset {int(d)} ({self._datasets[d].name}) asked for sample {int(wanted.max())}"
-                    f" but its index holds {available}; build it with more samples"
-                )
+        def fill(d, rows, wanted, out):
             gather_gpt_samples(self._indices[d], self._stores[d], wanted, pad_id=self._pad_id, out=out, out_rows=rows)
-        return out
+
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self._datasets,
+                               width=self._seq_length + int(self._add_extra_token), fill=fill)
 
     def __repr__(self) -> str:
         return (f"StoreBlendSource(datasets={len(self._datasets)}, num_samples={self.num_samples}, "
@@ -296,6 +308,7 @@ __all__ = [
     "SampleSource",
     "StoreBlendSource",
     "gather_gpt_samples",
+    "read_by_dataset",
     "read_positions",
     "resolve_eod",
 ]

@@ -22,7 +22,7 @@ from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 from tokenloom.index.stateless import DEFAULT_BLOCK_SIZE, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
 from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
-from tokenloom.serve.source import DatasetInfo, resolve_eod
+from tokenloom.serve.source import DatasetInfo, read_by_dataset, resolve_eod
 
 
 class StatelessBlendSource:
@@ -106,17 +106,11 @@ class StatelessBlendSource:
         return self.blend.lookup(np.asarray(positions, dtype=np.int64))
 
     def read_samples(self, dataset_ids, sample_ids) -> np.ndarray:
-        dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
-        sample_ids = np.asarray(sample_ids, dtype=np.int64)
-        width = self._seq_length + int(self._add_extra_token)
-        out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
-        for d in np.unique(dataset_ids):
-            if not 0 <= d < len(self._datasets):
-                raise ConfigError(f"dataset id {int(d)}; the blend has {len(self._datasets)} datasets")
-            rows = np.flatnonzero(dataset_ids == d)
-            spans = self._indices[d].spans(sample_ids[rows])
-            GATHER_BACKENDS[self.backend][1](self._stores[d], spans, self.pad_id, out, rows)
-        return out
+        def fill(d, rows, wanted, out):
+            GATHER_BACKENDS[self.backend][1](self._stores[d], self._indices[d].spans(wanted), self.pad_id, out, rows)
+
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self._datasets,
+                               width=self._seq_length + int(self._add_extra_token), fill=fill)
 
     def __repr__(self) -> str:
         return (f"StatelessBlendSource(datasets={len(self._datasets)}, num_samples={self.num_samples}, "
