@@ -40,3 +40,23 @@ def test_bad_ids_name_the_dataset_and_the_sample(dataset_ids, sample_ids, messag
     calls = []
     with pytest.raises(ConfigError, match=message):
         read_by_dataset(np.array(dataset_ids), np.array(sample_ids), datasets=DATASETS, width=2, fill=_fill(calls))
+
+
+@pytest.mark.parametrize("source", ["StoreBlendSource", "StatelessBlendSource"])
+@pytest.mark.parametrize(
+    "prefixes, weights, split_name, message",
+    [
+        ([], None, "train", "prefixes is empty"),
+        (["a", "b"], [1.0], "train", "1 weights for 2 prefixes"),
+        (["a", "b"], [1.0, float("nan")], "train", r"weights=\[1.0, nan\]; expected finite positive numbers"),
+        (["a"], [0.0], "train", "expected finite positive numbers"),
+        (["a"], None, "dev", r"split_name='dev'; expected one of \('train', 'valid', 'test'\)"),
+    ],
+)
+def test_both_sources_refuse_bad_blend_arguments_before_opening_anything(source, prefixes, weights,
+                                                                         split_name, message):
+    import tokenloom.serve as serve
+
+    cls = getattr(serve, source)
+    with pytest.raises(ConfigError, match=message):
+        cls.from_prefixes(prefixes, weights, num_samples=8, seq_length=4, split_name=split_name)

@@ -50,6 +50,7 @@ from typing import Sequence
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index._backends import choose_backend
 from tokenloom.index.feistel import derive_round_keys, feistel_bits
 
 __all__ = ["Blend", "largest_remainder_counts", "MAX_BLEND_SIZE", "dataset_id_dtype"]
@@ -313,17 +314,6 @@ if _numba is not None:
 BACKENDS: tuple[str, ...] = ("numpy", "numba") if _numba is not None else ("numpy",)
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "numba" if "numba" in BACKENDS else "numpy"
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"backend={backend!r} is not available; expected one of {['auto', *BACKENDS]}"
-            + ("" if "numba" in BACKENDS else " (install tokenloom[fast] for numba)")
-        )
-    return backend
-
-
 # ----------------------------------------------------------------------------------- the blend
 
 
@@ -367,7 +357,7 @@ class Blend:
         """Seed of the within-window shuffle, or None for the closed-form order."""
         self.window: int | None = None if window is None else int(window)
         """Positions per shuffled window."""
-        self.backend: str = _resolve_backend(backend)
+        self.backend: str = choose_backend(backend, BACKENDS, fallback="numpy")
         """Kernel backend in use."""
         self.counts: np.ndarray = largest_remainder_counts(self.weights, self.size)
         """``(D,)`` int64 samples per dataset (largest remainder), summing to ``size``."""

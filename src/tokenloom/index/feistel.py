@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index._backends import choose_backend
 
 __all__ = [
     "LARGE_DOMAIN_ROUNDS",
@@ -292,12 +293,7 @@ if _numba is not None:
 
 def resolve_backend(backend: str) -> str:
     """``"auto"`` -> ``"numba"`` when installed, else ``"numpy"``; other names are checked."""
-    if backend == "auto":
-        return "numba" if "numba" in BACKENDS else "numpy"
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend={backend!r} is not available; expected one of {['auto', *BACKENDS]}"
-                          + ("" if "numba" in BACKENDS else " (install tokenloom[fast] for numba)"))
-    return backend
+    return choose_backend(backend, BACKENDS, fallback="numpy")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

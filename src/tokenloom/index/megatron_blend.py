@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index._backends import choose_backend
 
 __all__ = [
     "MEGATRON_MAX_DATASETS",
@@ -347,17 +348,6 @@ if _numba is not None:
 BACKENDS = tuple(_KERNELS)
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "numba" if "numba" in _KERNELS else "python"
-    if backend not in _KERNELS:
-        raise ConfigError(
-            f"backend={backend!r} is not available; expected one of {['auto', *_KERNELS]}"
-            + ("" if "numba" in _KERNELS else " (install tokenloom[fast] for numba)")
-        )
-    return backend
-
-
 # ------------------------------------------------------------------------------------ helpers
 
 
@@ -397,7 +387,7 @@ def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str):
     sample_ids = np.zeros(size, dtype=np.int64)
     if size == 0:
         return dataset_ids, sample_ids
-    scan, greedy = _KERNELS[_resolve_backend(backend)]
+    scan, greedy = _KERNELS[choose_backend(backend, _KERNELS, fallback="python")]
     if weights.shape[0] <= _SCAN_DATASETS:  # few datasets: megatron's own loop is the fastest
         scan(weights, limits, size, dataset_ids, sample_ids)
         return dataset_ids, sample_ids

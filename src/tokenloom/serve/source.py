@@ -144,6 +144,23 @@ def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
     return recorded if eod_id is None else int(eod_id)
 
 
+def check_blend_arguments(prefixes: Sequence[str], weights: Sequence[float] | None,
+                          split_name: str) -> tuple[list[str], list[float]]:
+    """Validate a blend's stores, weights (None: equal) and split name; return them normalised
+    to lists of str and float."""
+    prefixes = [str(p) for p in prefixes]
+    if not prefixes:
+        raise ConfigError("prefixes is empty; expected at least one token store prefix")
+    weights = [1.0] * len(prefixes) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(prefixes):
+        raise ConfigError(f"{len(weights)} weights for {len(prefixes)} prefixes; expected one weight per prefix")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ConfigError(f"weights={weights}; expected finite positive numbers")
+    if split_name not in SPLIT_NAMES:
+        raise ConfigError(f"split_name={split_name!r}; expected one of {SPLIT_NAMES}")
+    return prefixes, weights
+
+
 def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo], width: int,
                     fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
     """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
@@ -212,16 +229,7 @@ class StoreBlendSource:
         supplies the end-of-document id for stores without a tokenizer record (e.g. written by
         Megatron-LM's preprocess_data.py); a store whose record says otherwise is a ConfigError.
         """
-        prefixes = [str(p) for p in prefixes]
-        if not prefixes:
-            raise ConfigError("prefixes is empty; expected at least one token store prefix")
-        weights = [1.0] * len(prefixes) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(prefixes):
-            raise ConfigError(f"{len(weights)} weights for {len(prefixes)} prefixes; expected one weight per prefix")
-        if any(not (w > 0 and math.isfinite(w)) for w in weights):
-            raise ConfigError(f"weights={weights}; expected finite positive numbers")
-        if split_name not in SPLIT_NAMES:
-            raise ConfigError(f"split_name={split_name!r}; expected one of {SPLIT_NAMES}")
+        prefixes, weights = check_blend_arguments(prefixes, weights, split_name)
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ConfigError(f"num_samples={num_samples!r}; expected a positive integer")
         if names is not None and len(names) != len(prefixes):

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import Sequence
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend import Blend
-from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
+from tokenloom.index.split import split_document_ranges
 from tokenloom.index.stateless import DEFAULT_BLOCK_SIZE, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
 from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
-from tokenloom.serve.source import DatasetInfo, read_by_dataset, resolve_eod
+from tokenloom.serve.source import DatasetInfo, check_blend_arguments, read_by_dataset, resolve_eod
 
 
 class StatelessBlendSource:
@@ -43,16 +42,7 @@ class StatelessBlendSource:
                       eod_id: int | None = None, names: Sequence[str] | None = None) -> "StatelessBlendSource":
         """Open the stores and index one split; each dataset gets the samples the blend's exact
         (largest-remainder) counts give it."""
-        prefixes = [str(p) for p in prefixes]
-        if not prefixes:
-            raise ConfigError("prefixes is empty; expected at least one token store prefix")
-        weights = [1.0] * len(prefixes) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(prefixes):
-            raise ConfigError(f"{len(weights)} weights for {len(prefixes)} prefixes; expected one weight per prefix")
-        if any(not (w > 0 and math.isfinite(w)) for w in weights):
-            raise ConfigError(f"weights={weights}; expected finite positive numbers")
-        if split_name not in SPLIT_NAMES:
-            raise ConfigError(f"split_name={split_name!r}; expected one of {SPLIT_NAMES}")
+        prefixes, weights = check_blend_arguments(prefixes, weights, split_name)
         blend = Blend(weights, int(num_samples), names=names)
         stores, indices, infos, inputs = [], [], [], []
         for d, prefix in enumerate(prefixes):
