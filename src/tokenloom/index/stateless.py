@@ -497,9 +497,9 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
                                        rounds=document_rounds) for e in range(plan.num_epochs)], dtype=np.uint64)
     keys = keys.reshape(plan.num_epochs, document_rounds)  # (num_epochs, rounds) uint64
     num_blocks = -(-num_documents // block_size)
-    # starts: (num_epochs * num_blocks + 2,) int64; block sums land in starts[1:], the numba
-    # kernel's spare slot last, then an in-place running sum turns sums into block starts.
-    starts = np.zeros(plan.num_epochs * num_blocks + 2, dtype=np.int64)
+    # starts: (num_epochs * num_blocks + 1,) int64; block sums land in starts[1:], then an
+    # in-place running sum turns sums into block starts.
+    starts = np.zeros(plan.num_epochs * num_blocks + 1, dtype=np.int64)
     if backend == "numba":
         kernel_args = (lengths, ids if ids is not None else np.zeros(1, dtype=np.int64), first_id, ids is None,
                        num_documents, block_size.bit_length() - 1, feistel_bits(num_documents), keys)
@@ -515,8 +515,7 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     else:
         perms = [FeistelPermutation(size=num_documents, round_keys=tuple(int(k) for k in row), backend="numpy")
                  for row in keys]
-        _block_sums_numpy(lengths, ids, first_id, num_documents, block_size, perms, starts[1:-1])
-    starts = starts[:-1]  # (num_epochs * num_blocks + 1,) int64
+        _block_sums_numpy(lengths, ids, first_id, num_documents, block_size, perms, starts[1:])
     np.cumsum(starts, out=starts)
     return StatelessGPTIndex(plan=plan, seed=int(seed), block_size=int(block_size), rounds=rounds,
                              backend=backend, sequence_lengths=lengths, document_ids=ids,
