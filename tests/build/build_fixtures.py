@@ -71,9 +71,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, steps: list[dict], out_dir, *, timeout_s: float = 120.0) -> list[dict | None]:
+def launch(world_size: int, steps: list[dict], out_dir, *, timeout_s: float = 120.0,
+           hung_ranks: tuple[int, ...] = ()) -> list[dict | None]:
     """Run ``steps`` (see dist_worker.py) on ``world_size`` gloo ranks; return each rank's results
-    (None for a rank that wrote none, e.g. one killed on purpose)."""
+    (None for a rank that wrote none, e.g. one killed on purpose). ``hung_ranks`` (stopped on
+    purpose) are killed once every other rank has exited."""
     port = free_port()
     out_dir = str(out_dir)
     env = dict(os.environ)
@@ -86,7 +88,10 @@ def launch(world_size: int, steps: list[dict], out_dir, *, timeout_s: float = 12
     deadline = time.monotonic() + timeout_s
     logs = []
     try:
-        for proc in procs:
+        for rank, proc in enumerate(procs):
+            if rank in hung_ranks:
+                logs.append("")
+                continue
             remaining = max(1.0, deadline - time.monotonic())
             out, _ = proc.communicate(timeout=remaining)
             logs.append(out.decode(errors="replace"))

@@ -4,7 +4,8 @@ Joins a gloo group on 127.0.0.1, runs each step (a build with an optional inject
 writes ``OUT_DIR/rank{RANK}.json`` with every step's outcome. A step is a mapping:
 
 * ``config``: the build config mapping (``{rank}`` in cache_dir is replaced by the rank);
-* ``fault``: optional ``{"rank": r, "item_kind": "gpt"|"blend", "action": "raise"|"kill"}``;
+* ``fault``: optional ``{"rank": r, "item_kind": "gpt"|"blend", "action": "raise"|"kill"|"hang"}``
+  ("hang" stops the process with SIGSTOP: alive, its sockets open, never answering);
 * ``dry_run``: optional bool.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -40,7 +42,9 @@ def main() -> None:
             def before_item(item, build_rank, fault=fault):
                 if fault and build_rank == fault["rank"] and item.kind == fault["item_kind"]:
                     if fault["action"] == "kill":
-                        os.kill(os.getpid(), 9)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if fault["action"] == "hang":
+                        os.kill(os.getpid(), signal.SIGSTOP)
                     raise RuntimeError(f"injected fault on rank {build_rank}")
 
             started = time.monotonic()

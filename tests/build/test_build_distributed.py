@@ -142,3 +142,22 @@ def test_megatron_core_loads_the_multi_rank_cache(scenario):
     assert len(datasets[0]) == train.num_samples
     for i in (0, 7, train.num_samples - 1):
         assert (datasets[0][i]["tokens"].numpy() == train[i][:-1]).all()
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    # A hung rank (stopped: alive, its sockets open) closes no connection, so the others learn
+    # of it only from the build group's timeout. They must give up within it, not the job's.
+    prefixes = make_stores(tmp_path / "stores", count=4)
+    timeout_s = 10.0
+    steps = [{"config": blend_config(prefixes, tmp_path / "hung", seed=11, timeout_s=timeout_s),
+              "fault": {"rank": 1, "item_kind": "gpt", "action": "hang"}}]
+    (tmp_path / "out").mkdir()
+    outcomes = _step(launch(3, steps, tmp_path / "out", timeout_s=180, hung_ranks=(1,)), 0)
+    assert outcomes[1] is None  # stopped before it could write anything
+    for rank in (0, 2):
+        outcome = outcomes[rank]
+        assert outcome is not None and not outcome["ok"], outcome
+        assert "did not answer" in outcome["error"] and "killed or hung" in outcome["error"]
+        assert f"{timeout_s:g} s" in outcome["error"]
+        assert outcome["seconds"] < timeout_s + 15.0
