@@ -209,9 +209,12 @@ def test_backends_agree(config):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs())
 def test_threaded_build_equals_the_streaming_build(config):
+    # threads=2 splits by epoch when there are two or more epochs, else by position; more
+    # threads than epochs split by position (where numba has that many threads)
     one = build_or_skip(config, backend="numba")
-    two = build(config, backend="numba", threads=2)
-    assert np.array_equal(one.block_token_starts, two.block_token_starts)
+    for threads in (2, one.plan.num_epochs + 1):
+        other = build(config, backend="numba", threads=threads)
+        assert np.array_equal(one.block_token_starts, other.block_token_starts), threads
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

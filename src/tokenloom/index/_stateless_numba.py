@@ -18,22 +18,22 @@ def _length_of(d, lengths, ids, first_id, contiguous):
     return np.int64(lengths[ids[d]])
 
 
-#: Documents per chunk of the single-thread build: the chunk's positions stay in L1/L2 between
+#: Documents per chunk of the build: the chunk's positions stay in L1/L2 between
 #: the permutation and the adds (larger chunks measured slower, up to 1.4x at 2**20).
 _CHUNK_DOCUMENTS = 1 << 12
 
 
 @numba.njit(cache=True, nogil=True)
-def _inverse_positions(first, count, n, bits, keys, out, buf, pend):
-    """out[k] = P^-1(first + k) for k < count: one network pass over all, then cycle walking
-    of the few still outside ``[0, n)`` (at most half of them, once n > 128)."""
+def _permute_run(first, count, n, bits, keys, inverse, out, buf, pend):
+    """out[k] = P(first + k) (or P^-1) for k < count: one network pass over all, then cycle
+    walking of the few still outside ``[0, n)`` (at most half of them, once n > 128)."""
     limit = np.uint64(n)
     width = buf.shape[0]
     for b0 in range(0, count, width):
         c = min(width, count - b0)
         for k in range(c):
             buf[k] = np.uint64(first + b0 + k)
-        _network_batch(buf, c, bits, keys, True)
+        _network_batch(buf, c, bits, keys, inverse)
         m = 0
         for k in range(c):  # branch-free: every value is written, those outside are kept
             value = buf[k]
@@ -42,7 +42,7 @@ def _inverse_positions(first, count, n, bits, keys, out, buf, pend):
             pend[m] = b0 + k
             m += np.int64(value >= limit)
         while m > 0:
-            _network_batch(buf, m, bits, keys, True)
+            _network_batch(buf, m, bits, keys, inverse)
             kept = 0
             for j in range(m):
                 value = buf[j]
@@ -54,34 +54,48 @@ def _inverse_positions(first, count, n, bits, keys, out, buf, pend):
 
 
 @numba.njit(cache=True, nogil=True)
-def _block_sums_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
-    """out[e * num_blocks + b] += tokens of positions [b*K, (b+1)*K) of epoch e.
+def _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, keys, out):
+    """out[b] += tokens of positions [b*K, (b+1)*K) of one epoch (permutation keys ``keys``).
 
     Documents are read in order (streaming), a chunk of 4096 at a time: first the inverse
     permutation of the whole chunk (the network's multiply chains of many documents overlap,
     and cycle walking touches only the few still outside), then one pass that adds each length
-    to its block, ``block = P_e^-1(d) >> log2(K)``: scattered adds into ``8 n / K`` bytes, which stay
-    in cache while the split is small, instead of one random gather per position.
+    to its block, ``block = P_e^-1(d) >> log2(K)``: scattered adds into ``8 n / K`` bytes, which
+    stay in cache while the split is small, instead of one random gather per position.
     """
-    num_blocks = (n + (1 << block_shift) - 1) >> block_shift
     chunk = min(n, _CHUNK_DOCUMENTS)
     positions = np.empty(chunk, dtype=np.uint64)
     buf = np.empty(chunk, dtype=np.uint64)
     pend = np.empty(chunk, dtype=np.int64)
     shift = np.uint64(block_shift)
+    for first in range(0, n, chunk):
+        count = min(chunk, n - first)
+        _permute_run(first, count, n, bits, keys, True, positions, buf, pend)
+        if contiguous:  # the common case, without a branch per document
+            source = lengths[first_id + first:first_id + first + count]
+            for k in range(count):
+                out[np.int64(positions[k] >> shift)] += source[k]
+        else:
+            for k in range(count):
+                out[np.int64(positions[k] >> shift)] += lengths[ids[first + k]]
+
+
+@numba.njit(cache=True, nogil=True)
+def _block_sums_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
+    """out[e * num_blocks + b] += tokens of positions [b*K, (b+1)*K) of epoch e, epoch by epoch."""
+    num_blocks = (n + (1 << block_shift) - 1) >> block_shift
     for e in range(epoch_keys.shape[0]):
-        keys = epoch_keys[e]
-        base = e * num_blocks
-        for first in range(0, n, chunk):
-            count = min(chunk, n - first)
-            _inverse_positions(first, count, n, bits, keys, positions, buf, pend)
-            if contiguous:  # the common case, without a branch per document
-                source = lengths[first_id + first:first_id + first + count]
-                for k in range(count):
-                    out[base + np.int64(positions[k] >> shift)] += source[k]
-            else:
-                for k in range(count):
-                    out[base + np.int64(positions[k] >> shift)] += lengths[ids[first + k]]
+        _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys[e],
+                          out[e * num_blocks:(e + 1) * num_blocks])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _block_sums_by_epoch_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
+    """The same sums with one thread per epoch (epochs write disjoint sums: no races)."""
+    num_blocks = (n + (1 << block_shift) - 1) >> block_shift
+    for e in numba.prange(epoch_keys.shape[0]):
+        _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys[e],
+                          out[e * num_blocks:(e + 1) * num_blocks])
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -89,7 +103,7 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
     """The same sums with threads: each task permutes a run of whole blocks of one epoch
     and gathers their lengths (random reads, but tasks write disjoint blocks: no races)."""
     num_blocks = (n + (1 << block_shift) - 1) >> block_shift
-    blocks_per_task = max(1, 4096 >> block_shift)
+    blocks_per_task = max(1, _CHUNK_DOCUMENTS >> block_shift)
     tasks_per_epoch = (num_blocks + blocks_per_task - 1) // blocks_per_task
     width = blocks_per_task << block_shift
     for task in numba.prange(epoch_keys.shape[0] * tasks_per_epoch):
@@ -98,12 +112,17 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
         first = b0 << block_shift
         count = min(width, n - first)
         buf = np.empty(width, dtype=np.uint64)
-        slot = np.empty(width, dtype=np.int64)
-        perm = np.empty(width, dtype=np.int64)
-        permute_into(first, count, 1, n, bits, epoch_keys[e], False, buf, slot, perm)
+        pend = np.empty(width, dtype=np.int64)
+        documents = np.empty(width, dtype=np.uint64)
+        _permute_run(first, count, n, bits, epoch_keys[e], False, documents, buf, pend)
         base = e * num_blocks + b0
-        for k in range(count):
-            out[base + (k >> block_shift)] += _length_of(perm[k], lengths, ids, first_id, contiguous)
+        if contiguous:
+            source = lengths[first_id:first_id + n]
+            for k in range(count):
+                out[base + (k >> block_shift)] += source[np.int64(documents[k])]
+        else:
+            for k in range(count):
+                out[base + (k >> block_shift)] += lengths[ids[np.int64(documents[k])]]
 
 
 @numba.njit(inline="always")

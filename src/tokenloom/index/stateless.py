@@ -89,6 +89,7 @@ if numba_available():
     import numba
 
     from tokenloom.index._stateless_numba import (
+        _block_sums_by_epoch_numba,
         _block_sums_numba,
         _block_sums_parallel_numba,
         _docs_at_numba,
@@ -450,7 +451,9 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     ``block_size`` (K) trades memory (8 / K bytes per document per epoch) for lookup work (a
     walk of at most K documents). ``backend``: "auto", "numba" or "numpy" (identical results).
     ``threads > 1`` (numba only) builds the prefix sums on that many threads (capped at numba's
-    thread count); one thread streams the documents instead, the fastest single-core order.
+    thread count): one per epoch while there are at least as many epochs (each streams its
+    documents, the cheaper order), else all of them on each epoch's positions in turn. Every
+    thread count gives the same arrays.
     """
     lengths = np.asarray(sequence_lengths)
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
@@ -503,13 +506,17 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     if backend == "numba":
         kernel_args = (lengths, ids if ids is not None else np.zeros(1, dtype=np.int64), first_id, ids is None,
                        num_documents, block_size.bit_length() - 1, feistel_bits(num_documents), keys)
+        threads = min(int(threads), numba.config.NUMBA_NUM_THREADS)
         if threads == 1:
             _block_sums_numba(*kernel_args, starts[1:])
         else:
+            # one thread per epoch streams and scatters (the cheaper order) while there are
+            # enough epochs; otherwise threads split each epoch's positions and gather
+            kernel = _block_sums_by_epoch_numba if plan.num_epochs >= threads else _block_sums_parallel_numba
             previous = numba.get_num_threads()
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(threads)
             try:
-                _block_sums_parallel_numba(*kernel_args, starts[1:])
+                kernel(*kernel_args, starts[1:])
             finally:
                 numba.set_num_threads(previous)
     else:
