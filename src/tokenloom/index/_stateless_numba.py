@@ -8,7 +8,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from tokenloom.index.feistel import _fmix64_scalar, _network_batch, permute_into
+from tokenloom.index.feistel import _fmix64_scalar, _network_batch, _permute_numba, permute_into
 
 
 @numba.njit(inline="always")
@@ -328,3 +328,59 @@ def _docs_at_numba(positions, ids, first_id, contiguous, n, bits, epoch_keys, ou
     _local_documents(positions, n, bits, epoch_keys, out)
     for t in range(positions.shape[0]):
         out[t] = first_id + out[t] if contiguous else np.int64(ids[out[t]])
+
+
+@numba.njit(cache=True, nogil=True)
+def _shuffle_two_parts_numba(ids, split_at, bits_low, keys_low, size_high, bits_high, keys_high):
+    """Sample shuffle with a separate final epoch: ids below ``split_at`` through the first
+    permutation, the rest through the second (shifted by ``split_at``), in one call."""
+    low = 0
+    for t in range(ids.shape[0]):
+        low += np.int64(ids[t] < split_at)
+    low_ids = np.empty(low, dtype=np.int64)
+    high_ids = np.empty(ids.shape[0] - low, dtype=np.int64)
+    a = 0
+    b = 0
+    for t in range(ids.shape[0]):
+        if ids[t] < split_at:
+            low_ids[a] = ids[t]
+            a += 1
+        else:
+            high_ids[b] = ids[t] - split_at
+            b += 1
+    low_out = _permute_numba(low_ids, split_at, bits_low, keys_low, False)
+    high_out = _permute_numba(high_ids, size_high, bits_high, keys_high, False)
+    out = np.empty_like(ids)
+    a = 0
+    b = 0
+    for t in range(ids.shape[0]):
+        if ids[t] < split_at:
+            out[t] = low_out[a]
+            a += 1
+        else:
+            out[t] = split_at + high_out[b]
+            b += 1
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _spans_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous, n, block_size, bits,
+                 epoch_keys):
+    """Both passes in one call (a handful of samples per call is the serving case, where the
+    calls' overhead outweighs the work): ``(bounds, document ids, offsets, lengths, positions)``."""
+    m = samples.shape[0]
+    begin = np.empty((m, 2), dtype=np.int64)
+    end = np.empty((m, 2), dtype=np.int64)
+    _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous, n, block_size,
+                       bits, epoch_keys, begin, end)
+    bounds = np.zeros(m + 1, dtype=np.int64)
+    for s in range(m):  # pieces per sample, summed
+        bounds[s + 1] = bounds[s] + end[s, 0] - begin[s, 0] + 1
+    total = bounds[m]
+    docs = np.empty(total, dtype=np.int64)
+    offsets = np.empty(total, dtype=np.int64)
+    pieces = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    _pieces_numba(begin, end, bounds, extra, lengths, ids, first_id, contiguous, n, bits, epoch_keys,
+                  docs, offsets, pieces, positions)
+    return bounds, docs, offsets, pieces, positions

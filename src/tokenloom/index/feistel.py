@@ -37,6 +37,7 @@ arithmetic, chunked) and ``"numba"`` (compiled loops, the ``[fast]`` extra).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 from typing import Callable
@@ -333,10 +334,19 @@ class FeistelPermutation:
         """Width of the Feistel domain ``[0, 2**bits)`` walked to stay inside ``[0, size)``."""
         return feistel_bits(self.size)
 
-    @property
+    @functools.cached_property
     def keys_array(self) -> np.ndarray:
-        """The round keys as a ``(rounds,) uint64`` array, for compiled kernels."""
-        return np.array(self.round_keys, dtype=np.uint64)
+        """The round keys as a ``(rounds,) uint64`` array, for compiled kernels (made once)."""
+        keys = np.array(self.round_keys, dtype=np.uint64)
+        keys.flags.writeable = False
+        return keys
+
+    def apply_unchecked(self, indices: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """``perm(indices)`` for a 1-D int64 array already known to lie in ``[0, size)``.
+
+        For callers that validated their indices themselves (the index lookups): skips the
+        checks of :meth:`__call__`, which cost more than permuting a handful of indices."""
+        return BACKENDS[self.backend](indices, self.size, self.bits, self.keys_array, inverse)
 
     def _apply(self, indices, inverse: bool) -> np.ndarray:
         scalar = np.ndim(indices) == 0

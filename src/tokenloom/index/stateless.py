@@ -95,6 +95,8 @@ if numba_available():
         _docs_at_numba,
         _is_consecutive_numba,
         _pieces_numba,
+        _shuffle_two_parts_numba,
+        _spans_numba,
         _spans_pass1_numba,
     )
 
@@ -188,11 +190,20 @@ class StatelessGPTIndex:
 
     def shuffle(self, sample_ids) -> np.ndarray:
         """Packed sample served at each of ``sample_ids`` (megatron-core's ``shuffle_index[i]``)."""
-        ids = self._check_sample_ids(sample_ids)
+        return self._shuffle_checked(self._check_sample_ids(sample_ids))
+
+    def _shuffle_checked(self, ids: np.ndarray) -> np.ndarray:
+        parts = self._sample_parts
+        if len(parts) == 1:  # one shuffled range, starting at 0
+            return parts[0][1].apply_unchecked(ids)
+        if len(parts) == 2 and self.backend == "numba":  # both ranges in one compiled call
+            (_, low), (split_at, high) = parts
+            return _shuffle_two_parts_numba(ids, split_at, low.bits, low.keys_array, high.size, high.bits,
+                                            high.keys_array)
         out = np.empty_like(ids)
-        for start, perm in self._sample_parts:
+        for start, perm in parts:
             inside = (ids >= start) & (ids < start + perm.size)
-            out[inside] = start + perm(ids[inside] - start)
+            out[inside] = start + perm.apply_unchecked(ids[inside] - start)
         return out
 
     def _check_sample_ids(self, sample_ids) -> np.ndarray:
@@ -207,7 +218,9 @@ class StatelessGPTIndex:
 
     # -------------------------------------------------------------- lookups
 
+    @functools.cached_property
     def _kernel_args(self) -> tuple:
+        """The arguments every compiled lookup takes, made once per index."""
         ids = self.document_ids if self.document_ids is not None else np.zeros(1, dtype=np.int64)
         return (self.sequence_lengths, ids, self.first_document_id, self.document_ids is None,
                 self.num_documents, self.block_size, feistel_bits(self.num_documents), self.document_keys)
@@ -223,7 +236,7 @@ class StatelessGPTIndex:
     def spans(self, sample_ids, *, shuffled: bool = True) -> SampleSpans:
         """The document pieces of samples ``sample_ids`` (served order unless ``shuffled=False``)."""
         ids = self._check_sample_ids(sample_ids)
-        packed = self.shuffle(ids) if shuffled else ids
+        packed = self._shuffle_checked(ids) if shuffled else ids
         return _SPANS[self.backend](self, packed)
 
     def documents_at(self, positions) -> np.ndarray:
@@ -279,7 +292,7 @@ class StatelessGPTIndex:
 def _bounds_numba(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     begin = np.empty((len(packed), 2), dtype=np.int64)
     end = np.empty((len(packed), 2), dtype=np.int64)
-    lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args()
+    lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
     _spans_pass1_numba(packed, index.plan.seq_length, int(index.plan.add_extra_token),
                        index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size,
                        bits, keys, begin, end)
@@ -288,7 +301,7 @@ def _bounds_numba(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
 
 def _docs_at_numba_entry(index: StatelessGPTIndex, positions: np.ndarray) -> np.ndarray:
     out = np.empty(len(positions), dtype=np.int64)
-    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args()
+    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args
     _docs_at_numba(positions, ids, first_id, contiguous, n, bits, keys, out)
     return out
 
@@ -296,15 +309,11 @@ def _docs_at_numba_entry(index: StatelessGPTIndex, positions: np.ndarray) -> np.
 def _spans_two_pass_numba(index: StatelessGPTIndex, packed: np.ndarray) -> SampleSpans:
     """Rows first, then the pieces (re-permuting their few positions): faster than recording
     pieces during the walk, whose stores keep the compiler from holding the walk in registers."""
-    begin, end = _bounds_numba(index, packed)
-    bounds = np.zeros(len(packed) + 1, dtype=np.int64)
-    np.cumsum(end[:, 0] - begin[:, 0] + 1, out=bounds[1:])  # pieces per sample, summed
-    total = int(bounds[-1])
-    docs, offsets, lengths_out, positions = (np.empty(total, dtype=np.int64) for _ in range(4))
-    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args()
-    _pieces_numba(begin, end, bounds, int(index.plan.add_extra_token), lengths, ids, first_id, contiguous, n,
-                  bits, keys, docs, offsets, lengths_out, positions)
-    return SampleSpans(bounds=bounds, document_ids=docs, offsets=offsets, lengths=lengths_out, positions=positions)
+    lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
+    bounds, docs, offsets, pieces, positions = _spans_numba(
+        packed, index.plan.seq_length, int(index.plan.add_extra_token), index.block_token_starts, lengths, ids,
+        first_id, contiguous, n, block_size, bits, keys)
+    return SampleSpans(bounds=bounds, document_ids=docs, offsets=offsets, lengths=pieces, positions=positions)
 
 
 def _spans_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> SampleSpans:
