@@ -4,7 +4,7 @@
     flock /tmp/tokenloom-bench.lock python benchmarks/bench_blend.py --datasets 1000 --sizes 10000000
 
 Columns: megatron-core ``build_blending_indices`` (C++), ``megatron_blend`` (identical arrays,
-checked every row), ``Blend.materialize`` and ``Blend.lookup`` of every position in a random
+checked every row) on one thread and on ``--threads`` threads, ``Blend.materialize`` and ``Blend.lookup`` of every position in a random
 order (per-position random access), with their speed-ups over megatron-core. Weights are
 uniform random in (0, 1], normalised like megatron-core's BlendedDataset does. Each cell is the
 best of ``--repeat`` runs; kernels are compiled before timing.
@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-megatron-above", type=float, default=float("inf"),
                         help="skip megatron-core (and the ratio) where datasets x size exceeds this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="also run megatron_blend on this many threads (chunks; identical arrays); 1: skip")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -70,11 +72,14 @@ def main(argv=None) -> int:
     megatron_blend(np.full(40, 1 / 40), 5000)
     megatron_core_blend(np.array([0.5, 0.5]), 10)  # imports megatron-core (and torch) untimed
 
-    print(f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs; numpy {np.__version__}; one thread each")
+    threaded = args.threads > 1
+    print(f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs; numpy {np.__version__}; one thread each"
+          + (f" except 'megatron_blend, {args.threads} threads'" if threaded else ""))
     print()
-    print("| datasets | size | megatron-core (s) | megatron_blend (s) | x | Blend.materialize (s) | x "
-          "| Blend.lookup (s) | x | lookups/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    extra_head = f" megatron_blend, {args.threads} threads (s) | x |" if threaded else ""
+    print("| datasets | size | megatron-core (s) | megatron_blend (s) | x |" + extra_head
+          + " Blend.materialize (s) | x | Blend.lookup (s) | x | lookups/s |")
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if threaded else "") + "---:|---:|---:|---:|---:|")
     for num_datasets in args.datasets:
         weights = rng.random(num_datasets) + 1e-3
         weights = weights / weights.sum()
@@ -88,6 +93,12 @@ def main(argv=None) -> int:
                 if not same:
                     raise SystemExit(f"megatron_blend differs from megatron-core at D={num_datasets}, size={size}")
                 del core
+            if threaded:
+                t_threads, theirs = best_of(args.repeat, lambda: megatron_blend(weights, size, threads=args.threads))
+                if not (np.array_equal(theirs[0], ours[0]) and np.array_equal(theirs[1], ours[1])):
+                    raise SystemExit(f"megatron_blend on {args.threads} threads differs at D={num_datasets}, "
+                                     f"size={size}")
+                del theirs
             del ours
             blend = Blend(weights, size)
             t_mat, _ = best_of(args.repeat, blend.materialize)
@@ -99,8 +110,10 @@ def main(argv=None) -> int:
                 return f"{t_core / t:.1f}" if run_megatron else "-"
 
             core_cell = f"{t_core:.3f}" if run_megatron else "skipped"
-            print(f"| {num_datasets} | {size:.0e} | {core_cell} | {t_ours:.3f} | {ratio(t_ours)} | {t_mat:.3f} | "
-                  f"{ratio(t_mat)} | {t_look:.3f} | {ratio(t_look)} | {size / t_look / 1e6:.1f} M |", flush=True)
+            extra_cells = f" {t_threads:.3f} | {ratio(t_threads)} |" if threaded else ""
+            print(f"| {num_datasets} | {size:.0e} | {core_cell} | {t_ours:.3f} | {ratio(t_ours)} |{extra_cells} "
+                  f"{t_mat:.3f} | {ratio(t_mat)} | {t_look:.3f} | {ratio(t_look)} | {size / t_look / 1e6:.1f} M |",
+                  flush=True)
     return 0
 
 

@@ -126,6 +126,70 @@ def test_one_dataset_and_the_megatron_limit():
     assert_same(mb.megatron_blend(weights, 4000), megatron(weights, 4000))
 
 
+@contextlib.contextmanager
+def patched(**values):
+    """Set module constants of megatron_blend for the duration (chunk sizes, replay limits...)."""
+    saved = {name: getattr(mb, name) for name in values}
+    for name, value in values.items():
+        setattr(mb, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(mb, name, value)
+
+
+@SETTINGS
+@given(weights=weight_vectors(), size=st.integers(0, 6000), threads=st.integers(2, 5),
+       resync_steps=st.sampled_from([1, 7, 1 << 16]))
+def test_threaded_chunks_identical_to_megatron_core(weights, size, threads, resync_steps):
+    # tiny chunks, so that many chunk starts are guessed and repaired; a replay limit of 1 or 7
+    # steps sends most repairs back to the fast kernel part-way through their chunk
+    theirs = megatron(weights, size)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice), patched(_MIN_CHUNK=16, _RESYNC_STEPS=resync_steps):
+            assert_same(mb.megatron_blend(weights, size, threads=threads), theirs)
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=40), threads=st.integers(2, 5))
+def test_threaded_exhaustive_identical_to_megatron_core(sizes, threads):
+    theirs = megatron_exhaustive(sizes)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice), patched(_MIN_CHUNK=16):
+            assert_same(mb.megatron_exhaustive_blend(sizes, threads=threads), theirs)
+
+
+def test_threaded_chunks_are_right_whatever_the_guess():
+    # a guess far from the truth (every sample so far on one dataset): the repair replays the
+    # whole chunk, or hands it back to the fast kernel, and the arrays are still megatron's
+    rng = np.random.default_rng(4)
+    weights = rng.random(300)
+    weights /= weights.sum()
+    size = 40_000
+
+    def bad_guess(weights, limits, step, member_start, members):
+        counts = np.zeros(len(weights), dtype=np.int64)
+        counts[0] = step  # random weights: every dataset is a group of its own
+        return counts
+
+    theirs = megatron(weights, size)
+    for resync_steps in (1 << 16, 100):
+        with patched(_MIN_CHUNK=1000, _RESYNC_STEPS=resync_steps, _guess_counts=bad_guess):
+            assert_same(mb.megatron_blend(weights, size, threads=4), theirs)
+
+
+def test_threaded_long_run_meets_the_true_run_early():
+    # realistic sizes: the guessed chunk starts are (nearly) the true states, and the threaded
+    # arrays equal megatron-core's
+    rng = np.random.default_rng(5)
+    weights = rng.random(1000) + 1e-3
+    weights /= weights.sum()
+    size = 600_000
+    with patched(_MIN_CHUNK=100_000):
+        assert_same(mb.megatron_blend(weights, size, threads=3), megatron(weights, size))
+
+
 @settings(max_examples=8, deadline=None)
 @given(weights=weight_vectors(max_datasets=30), size=st.integers(0, 2500))
 def test_python_backend_matches_compiled_and_reference(weights, size):
@@ -149,5 +213,8 @@ def test_rejects_what_megatron_cannot_blend():
         mb.megatron_blend(np.ones(32767), 10)
     with pytest.raises(ConfigError, match="dataset 2"):
         mb.megatron_exhaustive_blend([3, 4, 0])
+    for threads in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="threads"):
+            mb.megatron_blend([1.0, 2.0], 10, threads=threads)
     ids, _ = mb.megatron_blend(np.ones(32767), 10, allow_beyond_megatron=True)
     assert ids.dtype == np.int32 and list(ids) == list(range(10))
