@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     warm.materialize()
     warm.lookup(np.arange(10))
     megatron_blend(np.full(40, 1 / 40), 5000)
+    if args.threads > 1:  # the threaded path's repair kernel too
+        warm_weights = np.random.default_rng(12345).random(300) + 1e-3
+        megatron_blend(warm_weights / warm_weights.sum(), 600_000, threads=args.threads)
     megatron_core_blend(np.array([0.5, 0.5]), 10)  # imports megatron-core (and torch) untimed
 
     threaded = args.threads > 1

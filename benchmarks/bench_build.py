@@ -170,6 +170,7 @@ def per_item_costs(manifest_path: str, cache_dir: str) -> dict:
     cache = Cache(cache_dir)
     gpt_seconds = gpt_positions = 0.0
     blend_seconds = blend_samples = 0.0
+    blend_threads = 1
     for entry in manifest["items"]:
         record = cache.read_record(entry["key"])
         if entry["kind"] == "gpt":
@@ -179,9 +180,10 @@ def per_item_costs(manifest_path: str, cache_dir: str) -> dict:
         else:
             blend_seconds += record["seconds"]
             blend_samples += record["num_samples"]
+            blend_threads = max(blend_threads, int(record.get("threads", 1)))
     return {"per_position_s": gpt_seconds / max(gpt_positions, 1),
             "per_blend_sample_s": blend_seconds / max(blend_samples, 1) if blend_samples else 0.0,
-            "gpt_seconds": gpt_seconds, "blend_seconds": blend_seconds}
+            "gpt_seconds": gpt_seconds, "blend_seconds": blend_seconds, "blend_threads": blend_threads}
 
 
 def projection(costs: dict, stateless_costs: dict | None, megatron: dict | None, measured: dict, *,
@@ -202,7 +204,8 @@ def projection(costs: dict, stateless_costs: dict | None, megatron: dict | None,
         "| | per item | critical path | bound by |",
         "|---|---:|---:|---|",
         f"| tokenloom exact | {per_item:.2f} s per dataset index | {exact:,.0f} s | "
-        f"the train blend: one item of {train_samples:.2e} samples ({blend:,.0f} s, "
+        f"the train blend: one item of {train_samples:.2e} samples ({blend:,.0f} s on the "
+        f"{costs.get('blend_threads', 1)} blend thread(s) measured here, "
         f"{train_samples * 10 / 2**30:,.0f} GiB written by one rank) |",
     ]
     if stateless_costs is not None:

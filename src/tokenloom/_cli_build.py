@@ -33,6 +33,8 @@ def add_build_parser(subparsers) -> None:
                    help="seconds a rank waits for the others before the build fails (default 1800)")
     p.add_argument("--rng-workers", type=int, metavar="N",
                    help="background processes drawing shuffles ahead (exact mode, default 1)")
+    p.add_argument("--blend-threads", type=int, metavar="N",
+                   help="threads of each exact blend (default 0: this rank's share of the host's cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_build)
 
@@ -43,7 +45,7 @@ def run_build(args) -> int:
 
     overrides = {
         "cache_dir": args.cache, "mode": args.mode, "megatron_cache_dir": args.megatron_cache,
-        "timeout_s": args.timeout, "rng_workers": args.rng_workers,
+        "timeout_s": args.timeout, "rng_workers": args.rng_workers, "blend_threads": args.blend_threads,
     }
     if args.no_shared_fs:
         overrides["shared_fs"] = False

@@ -51,6 +51,19 @@ def test_build_matches_the_index_kernels_and_reuses_its_cache(stores, tmp_path):
     assert np.array_equal(second.split("valid")[3], first.split("valid")[3])
 
 
+def test_blend_threads_change_nothing_in_the_cache(stores, tmp_path, monkeypatch):
+    # tiny chunks, so the blend of 3000 samples really runs in three chunks from guessed states
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("tokenloom.index.megatron_blend"), "_MIN_CHUNK", 64)
+    one = tb.build(blend_config(stores, tmp_path / "one", blend_threads=1))
+    three = tb.build(blend_config(stores, tmp_path / "three", blend_threads=3))
+    assert one.build_key == three.build_key  # blend_threads is not a parameter of the arrays
+    assert cache_files(tmp_path / "one") == cache_files(tmp_path / "three")
+    with pytest.raises(ConfigError, match="blend_threads"):
+        tb.build(blend_config(stores, tmp_path / "bad", blend_threads=-1))
+
+
 def test_npy_files_are_what_numpy_save_writes(tmp_path):
     for array in (np.arange(10, dtype=np.int32), np.zeros((5, 2), np.int64), np.arange(7, dtype=np.uint32),
                   np.zeros(0, np.int16)):

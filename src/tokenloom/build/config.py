@@ -96,6 +96,10 @@ class BuildConfig:
     rng_workers: int = 1
     """Background processes that draw the RandomState shuffles ahead of the sample walks (exact)."""
 
+    blend_threads: int = 0
+    """Threads of each exact blend (megatron's greedy in chunks, identical arrays); 0: this rank's
+    share of its host's cores (the cores it may use / the build's ranks on the host)."""
+
     def __post_init__(self) -> None:
         _check_positive_int("seq_length", self.seq_length)
         if (self.blend is None) == (self.blend_per_split is None):
@@ -173,6 +177,7 @@ class BuildConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"timeout_s={timeout!r}; expected a positive number of seconds")
         _check_non_negative_int("rng_workers", self.rng_workers)
+        _check_non_negative_int("blend_threads", self.blend_threads)
         for index, name in enumerate(SPLIT_NAMES):
             blend = self.blend_for_split(index)
             if blend is not None and blend.weights is not None and len(blend.prefixes) > 1 \

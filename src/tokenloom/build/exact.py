@@ -85,15 +85,18 @@ def build_gpt_arrays(prefix: str, params: Mapping[str, Any],
     return arrays, plan
 
 
-def build_blend_arrays(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """megatron-core's ``dataset_index`` and ``dataset_sample_index`` of a ``blend`` item."""
+def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[str, np.ndarray]:
+    """megatron-core's ``dataset_index`` and ``dataset_sample_index`` of a ``blend`` item
+    (``threads``: see :func:`tokenloom.index.megatron_blend.megatron_blend`; same arrays)."""
     lengths = params["dataset_lengths"]
     size = sum(params["weights"]) if params["size"] is None else params["size"]
     backend = "python" if size < SMALL_BLEND_SAMPLES else "auto"  # same arrays, no compile
     if params["size"] is None:
-        dataset_index, dataset_sample_index = megatron_exhaustive_blend(params["weights"], backend=backend)
+        dataset_index, dataset_sample_index = megatron_exhaustive_blend(params["weights"], backend=backend,
+                                                                        threads=threads)
     else:
-        dataset_index, dataset_sample_index = megatron_blend(params["weights"], params["size"], backend=backend)
+        dataset_index, dataset_sample_index = megatron_blend(params["weights"], params["size"], backend=backend,
+                                                             threads=threads)
     counts = np.bincount(dataset_index.astype(np.int64), minlength=len(lengths))  # (D,)
     over = np.flatnonzero(counts > np.asarray(lengths, dtype=np.int64))
     if over.size:

@@ -259,6 +259,18 @@ class _Build:
         packs.add(item.key, arrays, record, published)
         return True
 
+    def _blend_threads(self) -> int:
+        """Threads for an exact blend: the config's, or this rank's share of its host's cores."""
+        if self.config.blend_threads:
+            return self.config.blend_threads
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not on Linux
+            cores = os.cpu_count() or 1
+        host = self._node_keys[self.rank][0] if self._node_keys else None
+        ranks_here = sum(1 for key in self._node_keys if key[0] == host) if self._node_keys else 1
+        return max(1, cores // max(1, ranks_here))
+
     def _build_one(self, item: WorkItem, draws):
         """The arrays of ``item`` and its record."""
         started = time.perf_counter()
@@ -267,7 +279,8 @@ class _Build:
             arrays, epoch_plan = build_gpt_arrays(item.prefix, item.params, draws, compiled=self._compiled_walk)
             extra["plan"] = plan_to_dict(epoch_plan)
         elif (self.config.mode, item.kind) == ("exact", "blend"):
-            arrays = build_blend_arrays(item.params)
+            extra["threads"] = self._blend_threads()
+            arrays = build_blend_arrays(item.params, threads=extra["threads"])
         elif item.kind == "gpt":
             arrays, extra = build_stateless_gpt_arrays(item.prefix, item.params, compiled=self._compiled_walk)
         else:
