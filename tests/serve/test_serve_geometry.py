@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import ConfigError
@@ -82,6 +82,9 @@ def _classic_rampup(consumed, start, increment, ramp_samples, global_batch_size)
 @settings(max_examples=100, deadline=None)
 @given(start=st.integers(1, 64), increment=st.integers(1, 32), num_increments=st.integers(1, 12),
        ramp_samples=st.integers(1, 5000), consumed=st.lists(st.integers(0, 6000), min_size=1, max_size=20))
+# fewer ramp samples than increments: two increments at once (hypothesis found it in CI)
+@example(start=1, increment=1, num_increments=2, ramp_samples=1, consumed=[0, 1, 2])
+@example(start=8, increment=4, num_increments=12, ramp_samples=5, consumed=list(range(8)))
 def test_rampup_matches_classic_formula(start, increment, num_increments, ramp_samples, consumed):
     final = start + num_increments * increment
     schedule = BatchSizeSchedule.rampup(start=start, increment=increment, ramp_samples=ramp_samples,

@@ -77,13 +77,17 @@ class BatchSizeSchedule:
         per_increment = ramp_samples / num_increments
         steps = [(0, start)]
         for k in range(1, num_increments + 1):
-            # the first consumed count c with int(c / per_increment) >= k (and c <= ramp_samples)
-            c = max(int(math.ceil(k * per_increment)) - 2, steps[-1][0] + 1)
+            # the first consumed count c with int(c / per_increment) >= k (and c <= ramp_samples);
+            # below one sample per increment, several increments land on the same count
+            c = max(int(math.ceil(k * per_increment)) - 2, steps[-1][0])
             while int(c / per_increment) < k:
                 c += 1
             if c > ramp_samples:
                 break
-            steps.append((c, start + k * increment))
+            if c == steps[-1][0]:
+                steps[-1] = (c, start + k * increment)
+            else:
+                steps.append((c, start + k * increment))
         if steps[-1][1] != global_batch_size:
             steps.append((ramp_samples + 1, global_batch_size))
         return cls(steps=tuple(steps))
