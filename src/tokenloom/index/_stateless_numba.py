@@ -8,7 +8,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from tokenloom.index.feistel import _fmix64_scalar, _network_batch, _permute_numba, permute_into
+from tokenloom.index.feistel import _permute_numba, permute_into
 
 
 @numba.njit(inline="always")
@@ -24,36 +24,6 @@ _CHUNK_DOCUMENTS = 1 << 12
 
 
 @numba.njit(cache=True, nogil=True)
-def _permute_run(first, count, n, bits, keys, inverse, out, buf, pend):
-    """out[k] = P(first + k) (or P^-1) for k < count: one network pass over all, then cycle
-    walking of the few still outside ``[0, n)`` (at most half of them, once n > 128)."""
-    limit = np.uint64(n)
-    width = buf.shape[0]
-    for b0 in range(0, count, width):
-        c = min(width, count - b0)
-        for k in range(c):
-            buf[k] = np.uint64(first + b0 + k)
-        _network_batch(buf, c, bits, keys, inverse)
-        m = 0
-        for k in range(c):  # branch-free: every value is written, those outside are kept
-            value = buf[k]
-            out[b0 + k] = value
-            buf[m] = value
-            pend[m] = b0 + k
-            m += np.int64(value >= limit)
-        while m > 0:
-            _network_batch(buf, m, bits, keys, inverse)
-            kept = 0
-            for j in range(m):
-                value = buf[j]
-                out[pend[j]] = value
-                buf[kept] = value
-                pend[kept] = pend[j]
-                kept += np.int64(value >= limit)
-            m = kept
-
-
-@numba.njit(cache=True, nogil=True)
 def _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, keys, out):
     """out[b] += tokens of positions [b*K, (b+1)*K) of one epoch (permutation keys ``keys``).
 
@@ -64,20 +34,19 @@ def _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, 
     stay in cache while the split is small, instead of one random gather per position.
     """
     chunk = min(n, _CHUNK_DOCUMENTS)
-    positions = np.empty(chunk, dtype=np.uint64)
+    positions = np.empty(chunk, dtype=np.int64)
     buf = np.empty(chunk, dtype=np.uint64)
-    pend = np.empty(chunk, dtype=np.int64)
-    shift = np.uint64(block_shift)
+    slot = np.empty(chunk, dtype=np.int64)
     for first in range(0, n, chunk):
         count = min(chunk, n - first)
-        _permute_run(first, count, n, bits, keys, True, positions, buf, pend)
+        permute_into(first, count, 1, n, bits, keys, True, buf, slot, positions)
         if contiguous:  # the common case, without a branch per document
             source = lengths[first_id + first:first_id + first + count]
             for k in range(count):
-                out[np.int64(positions[k] >> shift)] += source[k]
+                out[positions[k] >> block_shift] += source[k]
         else:
             for k in range(count):
-                out[np.int64(positions[k] >> shift)] += lengths[ids[first + k]]
+                out[positions[k] >> block_shift] += lengths[ids[first + k]]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -112,17 +81,17 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
         first = b0 << block_shift
         count = min(width, n - first)
         buf = np.empty(width, dtype=np.uint64)
-        pend = np.empty(width, dtype=np.int64)
-        documents = np.empty(width, dtype=np.uint64)
-        _permute_run(first, count, n, bits, epoch_keys[e], False, documents, buf, pend)
+        slot = np.empty(width, dtype=np.int64)
+        documents = np.empty(width, dtype=np.int64)
+        permute_into(first, count, 1, n, bits, epoch_keys[e], False, buf, slot, documents)
         base = e * num_blocks + b0
         if contiguous:
             source = lengths[first_id:first_id + n]
             for k in range(count):
-                out[base + (k >> block_shift)] += source[np.int64(documents[k])]
+                out[base + (k >> block_shift)] += source[documents[k]]
         else:
             for k in range(count):
-                out[base + (k >> block_shift)] += lengths[ids[np.int64(documents[k])]]
+                out[base + (k >> block_shift)] += lengths[ids[documents[k]]]
 
 
 @numba.njit(inline="always")
@@ -235,57 +204,31 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
         out_end[s, 1] = (k + 1) * seq_length - cum
 
 
-@numba.njit(nogil=True)
-def _network_by_epoch(buf, epoch, count, bits, epoch_keys):
-    """One forward pass of the network over ``buf[:count]``, element j keyed by epoch[j]."""
-    rounds = epoch_keys.shape[1]
-    one = np.uint64(1)
-    for r in range(rounds):
-        w = np.uint64(bits // 2) if r % 2 == 0 else np.uint64(bits - bits // 2)
-        h = np.uint64(bits) - w
-        low_mask = (one << w) - one
-        high_mask = (one << h) - one
-        for j in range(count):
-            x = buf[j]
-            lo = x & low_mask
-            buf[j] = (lo << h) | (((x >> w) + _fmix64_scalar(lo ^ epoch_keys[epoch[j], r])) & high_mask)
-
-
 @numba.njit(cache=True, nogil=True)
 def _local_documents(positions, n, bits, epoch_keys, out):
-    """out[t] = P_e(p) for global positions ``e * n + p``: batches of many positions, so the
-    network's multiply chains overlap, and the few values still outside walk on their own."""
-    width = 1024
-    buf = np.empty(width, dtype=np.uint64)
-    epoch = np.empty(width, dtype=np.int64)
-    pend = np.empty(width, dtype=np.int64)
-    limit = np.uint64(n)
-    for first in range(0, positions.shape[0], width):
-        c = min(width, positions.shape[0] - first)
-        for k in range(c):
-            e = positions[first + k] // n
-            epoch[k] = e
-            buf[k] = np.uint64(positions[first + k] - e * n)
-        _network_by_epoch(buf, epoch, c, bits, epoch_keys)
-        m = 0
-        for k in range(c):  # branch-free: every value is written, those outside are kept
-            value = buf[k]
-            out[first + k] = np.int64(value)
-            buf[m] = value
-            epoch[m] = epoch[k]
-            pend[m] = first + k
-            m += np.int64(value >= limit)
-        while m > 0:
-            _network_by_epoch(buf, epoch, m, bits, epoch_keys)
-            kept = 0
-            for j in range(m):
-                value = buf[j]
-                out[pend[j]] = np.int64(value)
-                buf[kept] = value
-                epoch[kept] = epoch[j]
-                pend[kept] = pend[j]
-                kept += np.int64(value >= limit)
-            m = kept
+    """out[t] = P_e(p) for global positions ``e * n + p``: the positions are grouped by epoch
+    (a counting sort), and each epoch's are permuted in one batched call, so the network's
+    multiply chains overlap."""
+    num_epochs = epoch_keys.shape[0]
+    total = positions.shape[0]
+    starts = np.zeros(num_epochs + 1, dtype=np.int64)
+    for t in range(total):
+        starts[positions[t] // n + 1] += 1
+    for e in range(num_epochs):
+        starts[e + 1] += starts[e]
+    cursor = starts[:-1].copy()
+    local = np.empty(total, dtype=np.int64)  # epoch by epoch: position within the epoch
+    where = np.empty(total, dtype=np.int64)  # and where its result goes
+    for t in range(total):
+        e = positions[t] // n
+        local[cursor[e]] = positions[t] - e * n
+        where[cursor[e]] = t
+        cursor[e] += 1
+    for e in range(num_epochs):
+        if starts[e + 1] > starts[e]:
+            documents = _permute_numba(local[starts[e]:starts[e + 1]], n, bits, epoch_keys[e], False)
+            for j in range(documents.shape[0]):
+                out[where[starts[e] + j]] = documents[j]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -334,32 +277,25 @@ def _docs_at_numba(positions, ids, first_id, contiguous, n, bits, epoch_keys, ou
 def _shuffle_two_parts_numba(ids, split_at, bits_low, keys_low, size_high, bits_high, keys_high):
     """Sample shuffle with a separate final epoch: ids below ``split_at`` through the first
     permutation, the rest through the second (shifted by ``split_at``), in one call."""
-    low = 0
-    for t in range(ids.shape[0]):
-        low += np.int64(ids[t] < split_at)
-    low_ids = np.empty(low, dtype=np.int64)
-    high_ids = np.empty(ids.shape[0] - low, dtype=np.int64)
-    a = 0
-    b = 0
-    for t in range(ids.shape[0]):
-        if ids[t] < split_at:
-            low_ids[a] = ids[t]
-            a += 1
-        else:
-            high_ids[b] = ids[t] - split_at
-            b += 1
-    low_out = _permute_numba(low_ids, split_at, bits_low, keys_low, False)
-    high_out = _permute_numba(high_ids, size_high, bits_high, keys_high, False)
     out = np.empty_like(ids)
-    a = 0
-    b = 0
-    for t in range(ids.shape[0]):
-        if ids[t] < split_at:
-            out[t] = low_out[a]
-            a += 1
+    local = np.empty(ids.shape[0], dtype=np.int64)
+    where = np.empty(ids.shape[0], dtype=np.int64)
+    for high in (False, True):
+        offset = split_at if high else 0
+        m = 0
+        for t in range(ids.shape[0]):
+            if (ids[t] >= split_at) == high:
+                local[m] = ids[t] - offset
+                where[m] = t
+                m += 1
+        if m == 0:
+            continue
+        if high:
+            shuffled = _permute_numba(local[:m], size_high, bits_high, keys_high, False)
         else:
-            out[t] = split_at + high_out[b]
-            b += 1
+            shuffled = _permute_numba(local[:m], split_at, bits_low, keys_low, False)
+        for j in range(m):
+            out[where[j]] = offset + shuffled[j]
     return out
 
 

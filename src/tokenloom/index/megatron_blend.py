@@ -348,6 +348,20 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
     return 0
 
 
+@_jit(inline="always", cache=True)
+def _scan_best(weight, counts_f, i):
+    """megatron's pick at step ``i``: the largest error, ties to the lowest id (every dataset)."""
+    x = float(i) if i > 1 else 1.0
+    best = 0
+    best_error = weight[0] * x - counts_f[0]
+    for d in range(1, weight.shape[0]):
+        e = weight[d] * x - counts_f[d]
+        if e > best_error:
+            best_error = e
+            best = d
+    return best
+
+
 @_jit(nogil=True, cache=True)
 def _scan_kernel(weight, limit, start, stop, counts, out_dataset, out_sample):
     """megatron's loop itself, for a handful of datasets: every error, every step (steps
@@ -357,14 +371,7 @@ def _scan_kernel(weight, limit, start, stop, counts, out_dataset, out_sample):
     for d in range(num_datasets):
         counts_f[d] = np.inf if counts[d] == limit[d] else float(counts[d])
     for i in range(start, stop):
-        x = float(i) if i > 1 else 1.0
-        best = 0
-        best_error = weight[0] * x - counts_f[0]
-        for d in range(1, num_datasets):
-            e = weight[d] * x - counts_f[d]
-            if e > best_error:
-                best_error = e
-                best = d
+        best = _scan_best(weight, counts_f, i)
         out_dataset[i - start] = best
         out_sample[i - start] = counts[best]
         counts[best] += 1
@@ -392,14 +399,7 @@ def _resync_kernel(weight, limit, start, stop, counts, guessed, out_dataset, out
         counts_f[d] = np.inf if counts[d] == limit[d] else float(counts[d])
     i = start
     while apart > 0 and i < stop and i - start < max_steps:
-        x = float(i) if i > 1 else 1.0
-        best = 0
-        best_error = weight[0] * x - counts_f[0]
-        for d in range(1, num_datasets):
-            e = weight[d] * x - counts_f[d]
-            if e > best_error:
-                best_error = e
-                best = d
+        best = _scan_best(weight, counts_f, i)
         recorded = out_dataset[i - start]
         if recorded != best:
             apart -= (diff[best] != 0) + (diff[recorded] != 0)
