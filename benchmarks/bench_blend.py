@@ -4,8 +4,9 @@
     flock /tmp/tokenloom-bench.lock python benchmarks/bench_blend.py --datasets 1000 --sizes 10000000
 
 Columns: megatron-core ``build_blending_indices`` (C++), ``megatron_blend`` (identical arrays,
-checked every row) on one thread and on ``--threads`` threads, ``Blend.materialize`` and ``Blend.lookup`` of every position in a random
-order (per-position random access), with their speed-ups over megatron-core. Weights are
+checked every row) and ``Blend.materialize``, each on one thread and on ``--threads`` threads,
+and ``Blend.lookup`` of every position in a random order (per-position random access), with
+their speed-ups over megatron-core. Weights are
 uniform random in (0, 1], normalised like megatron-core's BlendedDataset does. Each cell is the
 best of ``--repeat`` runs; kernels are compiled before timing.
 """
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     # compile the kernels outside the timings
     warm = Blend([1.0, 2.0, 3.0], 1000)
     warm.materialize()
+    warm.materialize(threads=2)
     warm.lookup(np.arange(10))
     megatron_blend(np.full(40, 1 / 40), 5000)
     if args.threads > 1:  # the threaded path's repair kernel too
@@ -77,12 +79,14 @@ def main(argv=None) -> int:
 
     threaded = args.threads > 1
     print(f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs; numpy {np.__version__}; one thread each"
-          + (f" except 'megatron_blend, {args.threads} threads'" if threaded else ""))
+          + (f" except the columns on {args.threads} threads" if threaded else ""))
     print()
     extra_head = f" megatron_blend, {args.threads} threads (s) | x |" if threaded else ""
+    materialize_head = f" Blend.materialize, {args.threads} threads (s) | x |" if threaded else ""
     print("| datasets | size | megatron-core (s) | megatron_blend (s) | x |" + extra_head
-          + " Blend.materialize (s) | x | Blend.lookup (s) | x | lookups/s |")
-    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if threaded else "") + "---:|---:|---:|---:|---:|")
+          + " Blend.materialize (s) | x |" + materialize_head + " Blend.lookup (s) | x | lookups/s |")
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if threaded else "") + "---:|---:|"
+          + ("---:|---:|" if threaded else "") + "---:|---:|---:|")
     for num_datasets in args.datasets:
         weights = rng.random(num_datasets) + 1e-3
         weights = weights / weights.sum()
@@ -104,7 +108,14 @@ def main(argv=None) -> int:
                 del theirs
             del ours
             blend = Blend(weights, size)
-            t_mat, _ = best_of(args.repeat, blend.materialize)
+            t_mat, plain = best_of(args.repeat, blend.materialize)
+            if threaded:
+                t_mat_threads, split = best_of(args.repeat, lambda: blend.materialize(threads=args.threads))
+                if not (np.array_equal(split[0], plain[0]) and np.array_equal(split[1], plain[1])):
+                    raise SystemExit(f"Blend.materialize on {args.threads} threads differs at D={num_datasets}, "
+                                     f"size={size}")
+                del split
+            del plain
             positions = rng.permutation(size)
             t_look, _ = best_of(args.repeat, blend.lookup, positions)
             del positions
@@ -114,9 +125,10 @@ def main(argv=None) -> int:
 
             core_cell = f"{t_core:.3f}" if run_megatron else "skipped"
             extra_cells = f" {t_threads:.3f} | {ratio(t_threads)} |" if threaded else ""
+            materialize_cells = f" {t_mat_threads:.3f} | {ratio(t_mat_threads)} |" if threaded else ""
             print(f"| {num_datasets} | {size:.0e} | {core_cell} | {t_ours:.3f} | {ratio(t_ours)} |{extra_cells} "
-                  f"{t_mat:.3f} | {ratio(t_mat)} | {t_look:.3f} | {ratio(t_look)} | {size / t_look / 1e6:.1f} M |",
-                  flush=True)
+                  f"{t_mat:.3f} | {ratio(t_mat)} |{materialize_cells} {t_look:.3f} | {ratio(t_look)} | "
+                  f"{size / t_look / 1e6:.1f} M |", flush=True)
     return 0
 
 

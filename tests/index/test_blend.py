@@ -113,6 +113,29 @@ def test_kernels_agree_with_the_definition(weights, size):
         assert looked_up[0].tolist() == expected and np.array_equal(looked_up[1], sample_ids)
 
 
+@settings(max_examples=25, deadline=None)
+@given(weights=weight_vectors(max_datasets=25), size=st.integers(1, 1500), threads=st.integers(2, 7))
+def test_threaded_materialize_equals_the_definition(weights, size, threads):
+    # tiny ranges, so that every range starts inside every node's run, at any Bresenham state
+    expected = reference_order(quiet_blend(weights, size).counts)
+    saved = blend_module._MIN_MATERIALIZE_CHUNK
+    blend_module._MIN_MATERIALIZE_CHUNK = 1
+    try:
+        for backend in blend_module.BACKENDS:
+            blend = quiet_blend(weights, size, backend=backend)
+            dataset_ids, sample_ids = blend.materialize(threads=threads)
+            assert dataset_ids.tolist() == expected
+            assert np.array_equal(sample_ids, ranks(dataset_ids))
+    finally:
+        blend_module._MIN_MATERIALIZE_CHUNK = saved
+
+
+def test_materialize_rejects_a_bad_thread_count():
+    for threads in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="threads"):
+            Blend([1.0, 2.0], 100).materialize(threads=threads)
+
+
 def test_lookup_near_the_largest_size_does_not_overflow():
     weights = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625, 1e-3])
     blend = quiet_blend(weights, MAX_BLEND_SIZE)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -60,6 +61,7 @@ MAX_BLEND_SIZE = 3_037_000_499
 _WINDOW_ROUNDS = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 1 << 20  # positions per numpy chunk
+_MIN_MATERIALIZE_CHUNK = 1 << 18  # positions per thread below which materialize does not split
 
 
 def dataset_id_dtype(num_datasets: int) -> np.dtype:
@@ -225,43 +227,71 @@ def _lookup_python(positions, node_count, left_count, ratio, half, left, right, 
             sample_out[start + lane] = slot[lane]
 
 
-def _materialize_python(size, node_count, left_count, left, right, num_datasets,
+def _materialize_python(first, stop, node_count, left_count, left, right, num_datasets,
                         dataset_out, sample_out):
-    """Every node's sequence of dataset ids, children merged by the Bresenham rule, bottom-up.
+    """Positions ``first .. stop-1`` of the blend into ``dataset_out``/``sample_out`` (their
+    slices): every node's run of dataset ids, children merged by the Bresenham rule, bottom-up.
 
-    Huffman node ``v``'s children are leaves or nodes created before it, so one pass in node
-    order builds the root's sequence; a leaf's sequence is its dataset id repeated.
+    Top-down first: the root's slots ``[first, stop)`` are, at node ``v`` with ``C_v`` slots and
+    a left child of ``C_a``, the left child's slots ``[q(lo), q(hi))`` and the right child's
+    ``[lo - q(lo), hi - q(hi))``, ``q(j) = (j * C_a + C_v // 2) // C_v``. Then bottom-up in
+    node order (a Huffman node's children are leaves or nodes created before it), each node
+    merges its children's runs from the Bresenham state at its first slot; a leaf's run is its
+    dataset id repeated. A leaf's first slot is the number of its samples before ``first``,
+    so the numbering starts there. Ranges are independent: threads can take one each.
     """
     num_nodes = node_count.shape[0]
-    sequences = [np.empty(0, dataset_out.dtype) for _ in range(num_nodes)]
+    root = num_nodes - 1
+    lo = np.zeros(num_nodes, np.int64)
+    hi = np.zeros(num_nodes, np.int64)
+    seen = np.zeros(num_datasets, np.int64)  # samples of each dataset before `first`
+    lo[root] = first
+    hi[root] = stop
+    for v in range(root, -1, -1):  # parents before children
+        c_v = node_count[v]
+        c_a = left_count[v]
+        q_lo = (lo[v] * c_a + c_v // 2) // c_v
+        q_hi = (hi[v] * c_a + c_v // 2) // c_v
+        a = left[v]
+        b = right[v]
+        if a >= 0:
+            lo[a] = q_lo
+            hi[a] = q_hi
+        else:
+            seen[-a - 1] = q_lo
+        if b >= 0:
+            lo[b] = lo[v] - q_lo
+            hi[b] = hi[v] - q_hi
+        else:
+            seen[-b - 1] = lo[v] - q_lo
+    runs = [np.empty(0, dataset_out.dtype) for _ in range(num_nodes)]
     for v in range(num_nodes):
         c_v = node_count[v]
         c_a = left_count[v]
         a = left[v]
         b = right[v]
-        out = dataset_out if v == num_nodes - 1 else np.empty(c_v, dataset_out.dtype)
-        seq_a = sequences[a] if a >= 0 else np.full(1, -a - 1, dataset_out.dtype)
-        seq_b = sequences[b] if b >= 0 else np.full(1, -b - 1, dataset_out.dtype)
-        step_a = 1 if a >= 0 else 0  # a leaf's sequence is one id, read again and again
+        out = dataset_out if v == root else np.empty(hi[v] - lo[v], dataset_out.dtype)
+        run_a = runs[a] if a >= 0 else np.full(1, -a - 1, dataset_out.dtype)
+        run_b = runs[b] if b >= 0 else np.full(1, -b - 1, dataset_out.dtype)
+        step_a = 1 if a >= 0 else 0  # a leaf's run is one id, read again and again
         step_b = 1 if b >= 0 else 0
-        r = c_v // 2
+        r = (c_v // 2 + lo[v] * c_a) % c_v  # the Bresenham state before slot lo[v]
         ia = 0
         ib = 0
-        for j in range(c_v):
+        for j in range(hi[v] - lo[v]):
             r += c_a
             take_a = r >= c_v
             if take_a:
                 r -= c_v
-            out[j] = seq_a[ia * step_a] if take_a else seq_b[ib * step_b]
+            out[j] = run_a[ia * step_a] if take_a else run_b[ib * step_b]
             ia += take_a
             ib += 1 - take_a
-        sequences[v] = out
+        runs[v] = out
         if a >= 0:
-            sequences[a] = np.empty(0, dataset_out.dtype)
+            runs[a] = np.empty(0, dataset_out.dtype)
         if b >= 0:
-            sequences[b] = np.empty(0, dataset_out.dtype)
-    seen = np.zeros(num_datasets, np.int64)
-    for p in range(size):
+            runs[b] = np.empty(0, dataset_out.dtype)
+    for p in range(stop - first):
         d = dataset_out[p]
         sample_out[p] = seen[d]
         seen[d] += 1
@@ -451,9 +481,14 @@ class Blend:
         dataset_ids, sample_ids = self._walk(self._unshuffled(flat))
         return dataset_ids.reshape(p.shape), sample_ids.reshape(p.shape)
 
-    def materialize(self) -> tuple[np.ndarray, np.ndarray]:
+    def materialize(self, *, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The whole blend: ``(dataset_ids, sample_ids)``, ``(size,)`` int16 (int32 from 32767
-        datasets) and ``(size,)`` int64, the arrays megatron-core's BlendedDataset holds."""
+        datasets) and ``(size,)`` int64, the arrays megatron-core's BlendedDataset holds.
+
+        ``threads > 1`` (numba) fills that many ranges of positions at once; same arrays."""
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise ConfigError(f"threads={threads!r}; expected a positive integer")
+        threads = int(threads)
         dataset_ids = np.empty(self.size, dtype=self.dataset_id_dtype)
         sample_ids = np.empty(self.size, dtype=np.int64)
         if self.seed is not None:
@@ -466,8 +501,21 @@ class Blend:
             dataset_ids[:] = -self._root - 1
             sample_ids[:] = np.arange(self.size)
         elif self.backend == "numba":
-            _materialize_compiled(self.size, self._node_count, self._left_count, self._left,
-                                  self._right, self.num_datasets, dataset_ids, sample_ids)
+            chunks = max(1, min(threads, self.size // _MIN_MATERIALIZE_CHUNK))
+            bounds = [self.size * k // chunks for k in range(chunks + 1)]
+
+            def fill(k: int) -> None:
+                first, stop = bounds[k], bounds[k + 1]
+                _materialize_compiled(first, stop, self._node_count, self._left_count, self._left,
+                                      self._right, self.num_datasets, dataset_ids[first:stop],
+                                      sample_ids[first:stop])
+
+            if chunks == 1:
+                fill(0)
+            else:  # each range on its own thread (the kernel releases the GIL)
+                with ThreadPoolExecutor(max_workers=chunks) as pool:
+                    for future in [pool.submit(fill, k) for k in range(chunks)]:
+                        future.result()
         else:
             for start in range(0, self.size, _CHUNK):
                 positions = np.arange(start, min(self.size, start + _CHUNK), dtype=np.int64)
