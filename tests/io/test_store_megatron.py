@@ -1,7 +1,5 @@
 """Stores are interchangeable with megatron-core's IndexedDataset, byte for byte."""
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

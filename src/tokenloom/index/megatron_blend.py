@@ -460,8 +460,11 @@ def _groups(weights: np.ndarray, limits: np.ndarray):
 #: Steps per chunk below which a threaded blend does not split (a thread costs more).
 _MIN_CHUNK = 1 << 18
 #: Steps a repair replays with megatron's loop before handing the rest of a chunk back to the
-#: fast kernel (measured: chunks met the true run within 1,000 steps at 100-10,000 datasets).
+#: fast kernel (measured: chunks met the true run within 1,000 steps at 100-10,000 datasets),
+#: and the dataset-steps it may spend (a replay step scans every dataset): at most 2**26, so a
+#: guess that never meets (weights far from summing to one) wastes little at 32766 datasets.
 _RESYNC_STEPS = 1 << 16
+_RESYNC_WORK = 1 << 26
 
 
 def _guess_counts(weights: np.ndarray, limits: np.ndarray, step: int, member_start: np.ndarray,
@@ -524,13 +527,14 @@ def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threa
             for future in [pool.submit(run, bounds[k], bounds[k + 1], ends[k]) for k in range(chunks)]:
                 future.result()
     # ... then, chunk by chunk, replay megatron's loop from the true state where the guess missed
+    replay_steps = min(_RESYNC_STEPS, max(1024, _RESYNC_WORK // num_datasets))
     true_state = ends[0]
     for k in range(1, chunks):
         start, stop = bounds[k], bounds[k + 1]
         if not np.array_equal(true_state, starts[k]):
             counts = true_state.copy()
             step, met = resync(weights, limits, start, stop, counts, starts[k], dataset_ids[start:stop],
-                               sample_ids[start:stop], _RESYNC_STEPS)
+                               sample_ids[start:stop], replay_steps)
             if not met:  # the guess never caught up: the true run goes on from where the replay stopped
                 if step < stop:
                     run(step, stop, counts)

@@ -94,7 +94,6 @@ if numba_available():
         _block_sums_parallel_numba,
         _docs_at_numba,
         _is_consecutive_numba,
-        _pieces_numba,
         _shuffle_two_parts_numba,
         _spans_numba,
         _spans_pass1_numba,
