@@ -59,6 +59,9 @@ def test_blend_threads_change_nothing_in_the_cache(stores, tmp_path, monkeypatch
     one = tb.build(blend_config(stores, tmp_path / "one", blend_threads=1))
     three = tb.build(blend_config(stores, tmp_path / "three", blend_threads=3))
     assert one.build_key == three.build_key  # blend_threads is not a parameter of the arrays
+    blends = [item.key for item in three.plan.items if item.kind == "blend"]
+    assert [one.cache.read_record(key)["threads"] for key in blends] == [1] * len(blends)
+    assert [three.cache.read_record(key)["threads"] for key in blends] == [3] * len(blends)
     assert cache_files(tmp_path / "one") == cache_files(tmp_path / "three")
     with pytest.raises(ConfigError, match="blend_threads"):
         tb.build(blend_config(stores, tmp_path / "bad", blend_threads=-1))
