@@ -22,7 +22,7 @@ from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.io import IndexedDataset
-from tokenloom.serve.source import DatasetInfo, gather_gpt_samples, read_by_dataset, resolve_eod
+from tokenloom.serve.source import DatasetInfo, SourceFields, gather_gpt_samples, read_by_dataset, resolve_eod
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -44,7 +44,7 @@ class DatasetIndex:
         return self.indices.num_samples
 
 
-class BuiltSplit:
+class BuiltSplit(SourceFields):
     """One split of a build, readable by position (a ``SampleSource``)."""
 
     def __init__(self, *, name: str, datasets: tuple[DatasetIndex, ...], weights: tuple[float, ...],
@@ -67,38 +67,18 @@ class BuiltSplit:
         self._add_extra_token = bool(add_extra_token)
         self._build_key = build_key
         self._pad_id = int(pad_id)
-        self._infos = tuple(
+        self._datasets = tuple(
             DatasetInfo(name=d.prefix, weight=float(w), num_samples=d.num_samples, eod_id=resolve_eod(d.store, None))
             for d, w in zip(datasets, weights)
         )
 
     # -- SampleSource ---------------------------------------------------------------------------
     @property
-    def build_key(self) -> str:
-        return self._build_key
-
-    @property
     def num_samples(self) -> int:
         return self._num_samples
 
     def __len__(self) -> int:
         return self._num_samples
-
-    @property
-    def seq_length(self) -> int:
-        return self._seq_length
-
-    @property
-    def add_extra_token(self) -> bool:
-        return self._add_extra_token
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad_id
-
-    @property
-    def datasets(self) -> tuple[DatasetInfo, ...]:
-        return self._infos
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """``(dataset_ids, sample_ids)`` (int64, shaped like ``positions``) of blend positions."""
@@ -125,7 +105,7 @@ class BuiltSplit:
             else:
                 out[rows] = gather_gpt_samples(dataset.indices, dataset.store, wanted, pad_id=self._pad_id)
 
-        return read_by_dataset(dataset_ids, sample_ids, datasets=self._infos,
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self._datasets,
                                width=self._seq_length + int(self._add_extra_token), fill=fill)
 
     def __getitem__(self, position: int) -> np.ndarray:

@@ -53,6 +53,38 @@ class DatasetInfo:
     """End-of-document token id from the store's tokenizer record; None when it has none."""
 
 
+class SourceFields:
+    """The read-only fields every in-memory :class:`SampleSource` shares; a subclass sets
+    ``_build_key``, ``_seq_length``, ``_add_extra_token``, ``_pad_id`` and ``_datasets`` and
+    defines ``num_samples``, ``locate`` and ``read_samples``."""
+
+    _build_key: str
+    _seq_length: int
+    _add_extra_token: bool
+    _pad_id: int
+    _datasets: tuple[DatasetInfo, ...]
+
+    @property
+    def build_key(self) -> str:
+        return self._build_key
+
+    @property
+    def seq_length(self) -> int:
+        return self._seq_length
+
+    @property
+    def add_extra_token(self) -> bool:
+        return self._add_extra_token
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def datasets(self) -> tuple[DatasetInfo, ...]:
+        return self._datasets
+
+
 @runtime_checkable
 class SampleSource(Protocol):
     """One split of a build, readable by position. Every method is vectorised."""
@@ -189,7 +221,7 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-class StoreBlendSource:
+class StoreBlendSource(SourceFields):
     """A Megatron-exact blended split built in memory from token stores.
 
     Position ``i`` is megatron-core's ``BlendedDataset[i]`` for the same stores, weights, split,
@@ -265,28 +297,8 @@ class StoreBlendSource:
 
     # -- SampleSource ---------------------------------------------------------------------------
     @property
-    def build_key(self) -> str:
-        return self._build_key
-
-    @property
     def num_samples(self) -> int:
         return int(self.dataset_index.shape[0])
-
-    @property
-    def seq_length(self) -> int:
-        return self._seq_length
-
-    @property
-    def add_extra_token(self) -> bool:
-        return self._add_extra_token
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad_id
-
-    @property
-    def datasets(self) -> tuple[DatasetInfo, ...]:
-        return self._datasets
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         positions = np.asarray(positions, dtype=np.int64)
@@ -314,6 +326,7 @@ __all__ = [
     "DatasetInfo",
     "MEGATRON_SURPLUS",
     "SampleSource",
+    "SourceFields",
     "StoreBlendSource",
     "gather_gpt_samples",
     "read_by_dataset",

@@ -21,10 +21,10 @@ from tokenloom.index.split import split_document_ranges
 from tokenloom.index.stateless import DEFAULT_BLOCK_SIZE, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
 from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
-from tokenloom.serve.source import DatasetInfo, check_blend_arguments, read_by_dataset, resolve_eod
+from tokenloom.serve.source import DatasetInfo, SourceFields, check_blend_arguments, read_by_dataset, resolve_eod
 
 
-class StatelessBlendSource:
+class StatelessBlendSource(SourceFields):
     """A :class:`~tokenloom.serve.source.SampleSource` over stateless indices and a lookup blend."""
 
     def __init__(self, *, stores: Sequence[IndexedDataset], indices: Sequence[StatelessGPTIndex], blend: Blend,
@@ -32,6 +32,7 @@ class StatelessBlendSource:
         self._stores, self._indices, self.blend = tuple(stores), tuple(indices), blend
         self._datasets = tuple(infos)
         self._seq_length, self._add_extra_token, self._build_key = int(seq_length), bool(add_extra_token), build_key
+        self._pad_id = -1  # stateless samples are whole windows of tokens: nothing is padded
         self.backend = default_backend()
         """Gather kernel (a key of ``tokenloom.serve._gather.GATHER_BACKENDS``)."""
 
@@ -69,28 +70,8 @@ class StatelessBlendSource:
                    add_extra_token=add_extra_token, build_key=key)
 
     @property
-    def build_key(self) -> str:
-        return self._build_key
-
-    @property
     def num_samples(self) -> int:
         return len(self.blend)
-
-    @property
-    def seq_length(self) -> int:
-        return self._seq_length
-
-    @property
-    def add_extra_token(self) -> bool:
-        return self._add_extra_token
-
-    @property
-    def pad_id(self) -> int:
-        return -1
-
-    @property
-    def datasets(self) -> tuple[DatasetInfo, ...]:
-        return self._datasets
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
         return self.blend.lookup(np.asarray(positions, dtype=np.int64))
