@@ -103,7 +103,7 @@ def child_tokenloom(args) -> dict:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world, timeout=timedelta(seconds=3600))
-    import tokenloom.build as tb
+    import tokenloom.builder as tb
 
     # warm the compiled kernels outside the timed region, as a long-running job would have them
     baseline = _rss_bytes()
@@ -163,7 +163,7 @@ def _row(name: str, outs: list[dict]) -> dict:
 def per_item_costs(manifest_path: str, cache_dir: str) -> dict:
     """Seconds per document position (dataset items) and per blended sample (blend items), from
     the item records (compute time of each item, publication excluded)."""
-    from tokenloom.build.cache import Cache
+    from tokenloom.builder.cache import Cache
 
     with open(manifest_path) as f:
         manifest = json.load(f)

@@ -155,7 +155,7 @@ def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None
             dataset[i]
     else:
         if kind == "exact-build":  # the exact indices of a tokenloom build, memory-mapped from its cache
-            import tokenloom.build as tb
+            import tokenloom.builder as tb
 
             config = tb.BuildConfig(seq_length=seq_length, blend=tb.DatasetBlend((prefix,), (1.0,)), split="1,0,0",
                                     train_samples=num_samples, valid_samples=0, test_samples=0, seed=1,

@@ -119,7 +119,7 @@ def _peer_encode(tokenizer, batches, method: str, parallel: bool) -> tuple[float
 
 def _tokenloom(jsonl_path, prefix, config) -> tuple[float, float, int]:
     """(wall s, CPU s, tokens) of a whole tokenize run; tokens without the appended EODs."""
-    from tokenloom.tokenize import tokenize_to_store
+    from tokenloom.tokenization import tokenize_to_store
 
     cpu, wall = _cpu_seconds(), time.perf_counter()
     summary = tokenize_to_store([jsonl_path], prefix, config)
@@ -140,7 +140,7 @@ def main() -> int:
 
     from tokenizers import Tokenizer, __version__ as tokenizers_version
 
-    from tokenloom.tokenize import TokenizeConfig
+    from tokenloom.tokenization import TokenizeConfig
 
     os.makedirs(args.workdir, exist_ok=True)
     documents = _stdlib_documents(max_doc_bytes=8192)

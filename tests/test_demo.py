@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tokenloom.demo import DEMO_WEIGHTS, run_demo
+from tokenloom.examples.demo import DEMO_WEIGHTS, run_demo
 from tokenloom.io import IndexedDataset, validate
 
 

@@ -20,6 +20,14 @@ class ConfigError(TokenloomError, ValueError):
     """A configuration value or argument is out of range or inconsistent with another."""
 
 
+class PositionError(ConfigError, IndexError):
+    """A position, sample or document index outside the range that holds data.
+
+    Both a :class:`ConfigError` (a bad argument) and an :class:`IndexError`, so Python's sequence
+    protocols (iteration by ``__getitem__``, ``except IndexError``) see the end of a sequence.
+    """
+
+
 class InputError(TokenloomError, ValueError):
     """Raw input data (a JSON line, a text file, a Parquet column) cannot be used as given."""
 
@@ -28,4 +36,4 @@ class BuildError(TokenloomError, RuntimeError):
     """Building an index failed; in a distributed build every rank raises the same one."""
 
 
-__all__ = ["TokenloomError", "FormatError", "ConfigError", "InputError", "BuildError"]
+__all__ = ["BuildError", "ConfigError", "FormatError", "InputError", "PositionError", "TokenloomError"]

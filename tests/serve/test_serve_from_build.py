@@ -9,7 +9,7 @@ from serve_fixtures import write_corpus
 from tokenloom.serve import BatchGeometry, SampleSource, SampleStream, StoreBlendSource, Topology, read_batch
 from tokenloom.serve.simulate import simulate_job
 
-build_module = pytest.importorskip("tokenloom.build")
+build_module = pytest.importorskip("tokenloom.builder")
 
 
 def test_exact_build_split_serves_the_in_memory_stream(tmp_path):

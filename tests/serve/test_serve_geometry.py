@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import ConfigError
-from tokenloom.plan import DataGeometry
+from tokenloom.planning import DataGeometry
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 
 

@@ -1,0 +1,461 @@
+"""The cache directory: packs of finished items, a manifest per build, and verification.
+
+Layout (FORMAT.md walks through an example)::
+
+    CACHE/
+      packs/<pack>.bin        arrays of many items, each a complete .npy image (what numpy.save
+                              writes) at a 64-byte aligned offset
+      packs/<pack>.json       the pack's index: every item's record and, per array, offset,
+                              size, SHA-256, dtype and shape; an item exists once an index lists it
+      builds/<build_key>.json the manifest of one build: versions, config, stores, items, timings
+      locks/items.lock        advisory locks of builders (one byte per item key)
+      tmp/                    packs being written (never read)
+
+A rank gathers the items it builds into a pack and publishes it in three atomic steps: the .bin
+is written into ``tmp/`` with its hashes computed on the way, fsynced and renamed into ``packs/``,
+then the index is written the same way. A reader only follows an index, so it never sees a half-
+written array. Items cost no file each (a pack of thousands of items is two files and one fsync,
+and one memory map serves all its arrays when opened).
+
+Two builders of one item (two jobs sharing a cache) lock it first, so one builds while the other
+waits and then finds it in the first one's pack; where locks do not work (some network
+filesystems) both build and both packs hold identical arrays, and readers take either.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from tokenloom.builder.keys import CACHE_FORMAT_VERSION
+from tokenloom.errors import BuildError, FormatError
+from tokenloom.io.writer import fsync_dir, write_json_atomic
+
+PACKS_DIR = "packs"
+BUILDS_DIR = "builds"
+LOCKS_DIR = "locks"
+LOCK_FILE = "items.lock"
+TMP_DIR = "tmp"
+ALIGNMENT = 64
+_HASH_CHUNK = 1 << 24
+
+#: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
+PACK_BYTES = 1 << 29
+
+log = logging.getLogger(__name__)
+
+
+def npy_header(array: np.ndarray) -> bytes:
+    """The .npy header ``numpy.save`` writes before ``array``'s bytes (format 1.0)."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(array))
+    return buffer.getvalue()
+
+
+def _write_hashed(f, digest, data) -> None:
+    view = memoryview(data).cast("B")
+    for begin in range(0, len(view), _HASH_CHUNK):
+        chunk = view[begin:begin + _HASH_CHUNK]
+        digest.update(chunk)
+        f.write(chunk)
+
+
+def write_npy(path: str, array: np.ndarray) -> dict[str, Any]:
+    """Write ``array`` as a .npy file (exactly what ``numpy.save`` writes), fsync it, and return
+    ``{"bytes", "sha256"}``."""
+    array = np.ascontiguousarray(array)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        _write_hashed(f, digest, npy_header(array))
+        if array.size:
+            _write_hashed(f, digest, array.reshape(-1).view(np.uint8))
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def sha256_range(path: str, offset: int, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        remaining = size
+        while remaining:
+            chunk = f.read(min(_HASH_CHUNK, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def host_record() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+@dataclass
+class _PendingItem:
+    key: str
+    arrays: dict[str, np.ndarray]
+    record: dict[str, Any]
+    on_published: Callable[[dict], None] | None
+
+
+class PackWriter:
+    """Collects finished items and publishes them in packs on a background thread.
+
+    ``add`` returns at once; writing, hashing and fsync run on the publishing thread (they
+    release the GIL) while the caller computes the next item. ``flush`` publishes what is
+    collected; ``close`` publishes the rest and waits, re-raising the first failure.
+    """
+
+    def __init__(self, cache: "Cache", *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 2) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cache = cache
+        self.pack_bytes = pack_bytes
+        self._items: list[_PendingItem] = []
+        self._bytes = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-pack")
+        self._slots = threading.BoundedSemaphore(max_pending_packs)
+        self._futures: list = []
+        self._lock = threading.Lock()
+
+    def add(self, key: str, arrays: Mapping[str, np.ndarray], record: Mapping[str, Any],
+            on_published: Callable[[dict], None] | None = None) -> None:
+        """Queue item ``key``; ``on_published(full_record)`` runs once its pack is published."""
+        arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+        with self._lock:
+            self._items.append(_PendingItem(key, arrays, dict(record), on_published))
+            self._bytes += sum(a.nbytes for a in arrays.values())
+            full = self._bytes >= self.pack_bytes
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._items:
+                return
+            items, self._items, self._bytes = self._items, [], 0
+        self._slots.acquire()
+
+        def run():
+            try:
+                return self.cache.publish_pack(items)
+            finally:
+                self._slots.release()
+
+        self._futures.append(self._pool.submit(run))
+
+    def close(self) -> None:
+        """Publish everything queued and wait; re-raise the first failure."""
+        try:
+            self.flush()
+        finally:
+            first = None
+            for future in self._futures:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    first = first or exc
+            self._futures = []
+            self._pool.shutdown(wait=True)
+            if first is not None:
+                raise first
+
+
+# ------------------------------------------------------------------------------------ the cache
+
+
+class Cache:
+    """A cache directory (created on first write)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(str(root))
+        self._lock_fd: int | None = None
+        self._ensured = False
+        self._index: dict[str, tuple[str, dict]] = {}  # key -> (pack .bin path, record)
+        # key -> {pack .bin path: record}: every copy. Two jobs may both build an item (see
+        # acquire); their copies hold identical bytes at different offsets of different packs.
+        self._copies: dict[str, dict[str, dict]] = {}
+        self._seen_packs: set[str] = set()
+        self._maps: dict[str, np.memmap] = {}
+        self._index_lock = threading.Lock()
+
+    def ensure(self) -> None:
+        if self._ensured:
+            return
+        for name in (PACKS_DIR, BUILDS_DIR, LOCKS_DIR, TMP_DIR):
+            os.makedirs(os.path.join(self.root, name), exist_ok=True)
+        self._ensured = True
+
+    # -- the index ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read the indexes of packs published since the last look."""
+        directory = os.path.join(self.root, PACKS_DIR)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        with self._index_lock:
+            for name in sorted(names):
+                if not name.endswith(".json") or name in self._seen_packs:
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        index = json.load(f)
+                except (OSError, ValueError) as exc:
+                    raise FormatError(f"{path}: unreadable pack index: {exc}") from None
+                bin_path = path[: -len(".json")] + ".bin"
+                for key, record in index.get("items", {}).items():
+                    self._index.setdefault(key, (bin_path, record))
+                    self._copies.setdefault(key, {})[bin_path] = record
+                self._seen_packs.add(name)
+
+    def has(self, key: str, *, refresh: bool = True) -> bool:
+        """Whether item ``key`` is in a published pack."""
+        if key not in self._index and refresh:
+            self.refresh()
+        return key in self._index
+
+    def read_record(self, key: str) -> dict[str, Any]:
+        if not self.has(key):
+            raise BuildError(f"{self.root}: cache item {key} is missing; rebuild it")
+        return self._index[key][1]
+
+    def locate(self, key: str, name: str) -> tuple[str, dict[str, Any]]:
+        """``(pack path, file entry)`` of array ``name`` of item ``key``."""
+        record = self.read_record(key)
+        entry = record["files"].get(f"{name}.npy")
+        if entry is None:
+            raise BuildError(f"{self.root}: cache item {key} has no array {name!r}; rebuild it")
+        return self._index[key][0], entry
+
+    def open_array(self, key: str, name: str) -> np.ndarray:
+        """Array ``name`` of item ``key``: a read-only memory map into its pack."""
+        path, entry = self.locate(key, name)
+        pack = self._maps.get(path)
+        if pack is None:
+            try:
+                pack = np.memmap(path, dtype=np.uint8, mode="r")
+            except (OSError, ValueError) as exc:
+                raise BuildError(f"{path}: cannot map pack: {exc}") from None
+            self._maps[path] = pack
+        begin, end = entry["data_offset"], entry["offset"] + entry["bytes"]
+        if end > pack.shape[0]:
+            raise FormatError(f"{path}: array {name} of item {key} ends at byte {end}, past the pack's "
+                              f"{pack.shape[0]} bytes; the pack is truncated")
+        dtype = np.dtype(entry["dtype"])
+        return pack[begin:end].view(dtype).reshape(entry["shape"])
+
+    def npy_image(self, key: str, name: str) -> bytes:
+        """The complete .npy file of array ``name`` of item ``key`` (bytes numpy.save writes)."""
+        path, entry = self.locate(key, name)
+        with open(path, "rb") as f:
+            f.seek(entry["offset"])
+            return f.read(entry["bytes"])
+
+    # -- writing --------------------------------------------------------------------------------
+    def publish_pack(self, items: list[_PendingItem]) -> str:
+        """Write ``items`` as one pack (data, fsync, rename; then the index the same way)."""
+        self.ensure()
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = os.path.join(self.root, TMP_DIR, f"{name}.bin")
+        final = os.path.join(self.root, PACKS_DIR, f"{name}.bin")
+        records: dict[str, dict] = {}
+        try:
+            with open(tmp, "wb") as f:
+                for item in items:
+                    files = {}
+                    for array_name, array in item.arrays.items():
+                        pad = -f.tell() % ALIGNMENT
+                        if pad:
+                            f.write(b"\0" * pad)
+                        offset = f.tell()
+                        digest = hashlib.sha256()
+                        header = npy_header(array)
+                        _write_hashed(f, digest, header)
+                        if array.size:
+                            _write_hashed(f, digest, array.reshape(-1).view(np.uint8))
+                        files[f"{array_name}.npy"] = {
+                            "offset": offset, "data_offset": offset + len(header),
+                            "bytes": f.tell() - offset, "sha256": digest.hexdigest(),
+                            "dtype": array.dtype.str, "shape": list(array.shape),
+                        }
+                    record = dict(item.record)
+                    record.update(key=item.key, format=CACHE_FORMAT_VERSION, files=files, pack=name)
+                    records[item.key] = record
+                    item.arrays = {}
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, final)
+            fsync_dir(os.path.dirname(final))
+            write_json_atomic(os.path.join(self.root, PACKS_DIR, f"{name}.json"),
+                              {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
+                               "items": records})
+        except BaseException:
+            for path in (tmp,):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+            raise
+        with self._index_lock:
+            for key, record in records.items():
+                self._index.setdefault(key, (final, record))
+                self._copies.setdefault(key, {})[final] = record
+            self._seen_packs.add(f"{name}.json")
+        for item in items:
+            if item.on_published is not None:
+                item.on_published(records[item.key])
+        return final
+
+    # -- locks ----------------------------------------------------------------------------------
+    def acquire(self, key: str) -> int:
+        """Take item ``key``'s lock (blocking while another builder holds it); returns the token
+        to pass to :meth:`release`.
+
+        One lock file serves every item: each key locks one byte of it (POSIX record locks), so
+        locking costs no file creation. Record locks are per process; within a process each item
+        is built once, so only other processes (other jobs) ever wait.
+        """
+        if self._lock_fd is None:
+            self.ensure()
+            self._lock_fd = os.open(os.path.join(self.root, LOCKS_DIR, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        offset = int(key[:15], 16)  # 60 bits of the key: one byte of a sparse, never written file
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, 1, offset)
+        except OSError:
+            # No locking on this filesystem, or EDEADLK: record locks belong to processes, so two
+            # jobs whose threads wait on each other's held items form a cycle the kernel refuses.
+            # Building without the lock is safe: both jobs write identical bytes, and the index
+            # keeps the first pack published.
+            log.debug("%s: building item %s without its lock", self.root, key)
+        return offset
+
+    def release(self, token: int) -> None:
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, token)
+        except OSError:
+            pass
+
+    def close_locks(self) -> None:
+        """Release every lock this process holds on the cache."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- manifests ------------------------------------------------------------------------------
+    def manifest_path(self, build_key: str) -> str:
+        return os.path.join(self.root, BUILDS_DIR, f"{build_key}.json")
+
+    def write_manifest(self, build_key: str, manifest: Mapping[str, Any]) -> str:
+        self.ensure()
+        path = self.manifest_path(build_key)
+        write_json_atomic(path, dict(manifest))
+        return path
+
+    def manifests(self) -> list[str]:
+        directory = os.path.join(self.root, BUILDS_DIR)
+        if not os.path.isdir(directory):
+            return []
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".json"))
+
+
+# ------------------------------------------------------------------------------------ verify
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What ``verify_cache`` found."""
+
+    root: str
+    """The cache directory."""
+    manifests: int
+    """Manifests read."""
+    items: int
+    """Items checked."""
+    files: int
+    """Arrays hashed."""
+    problems: tuple[str, ...]
+    """One line per problem, naming the file; empty when the cache is sound."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_cache(root: str) -> VerifyReport:
+    """Check every array of every item each manifest lists: its pack present and long enough,
+    its bytes with the recorded SHA-256, the pack's index agreeing with the manifest."""
+    cache = Cache(root)
+    if not os.path.isdir(cache.root):
+        raise FormatError(f"{cache.root}: no such cache directory")
+    cache.refresh()
+    problems: list[str] = []
+    checked: set[str] = set()
+    files = 0
+    manifests = cache.manifests()
+    if not manifests:
+        problems.append(f"{os.path.join(cache.root, BUILDS_DIR)}: no build manifest; is this a tokenloom cache?")
+    for path in manifests:
+        try:
+            with open(path, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: unreadable manifest: {exc}")
+            continue
+        for entry in manifest.get("items", []):
+            key = entry.get("key")
+            if key in checked:
+                continue
+            checked.add(key)
+            if not cache.has(key, refresh=False):
+                problems.append(f"item {key} ({entry.get('label')}, listed in {path}) is in no pack index")
+                continue
+            pack_path, record = cache._index[key]
+            if entry.get("pack") is not None:  # the copy this manifest's build uses
+                pack_path = os.path.join(cache.root, PACKS_DIR, f"{entry['pack']}.bin")
+                record = cache._copies[key].get(pack_path)
+                if record is None:
+                    problems.append(f"{pack_path[:-4]}.json: does not index item {key}, which manifest {path} "
+                                    "places in that pack")
+                    continue
+            if record.get("files") != entry.get("files"):
+                problems.append(f"{pack_path[:-4]}.json: item {key} differs from manifest {path}")
+            if not os.path.isfile(pack_path):
+                problems.append(f"{pack_path}: missing (holds item {key}, {entry.get('label')})")
+                continue
+            size = os.path.getsize(pack_path)
+            for name, meta in entry.get("files", {}).items():
+                where = f"{pack_path} [{name} of item {key}, bytes {meta['offset']}..{meta['offset'] + meta['bytes']}]"
+                if meta["offset"] + meta["bytes"] > size:
+                    problems.append(f"{where}: past the end of the {size}-byte pack; truncated")
+                    continue
+                files += 1
+                digest = sha256_range(pack_path, meta["offset"], meta["bytes"])
+                if digest != meta["sha256"]:
+                    problems.append(f"{where}: SHA-256 {digest[:16]}..., manifest says {meta['sha256'][:16]}...; "
+                                    "the pack was changed or damaged")
+    return VerifyReport(root=cache.root, manifests=len(manifests), items=len(checked), files=files,
+                        problems=tuple(problems))
+
+
+__all__ = ["Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range", "verify_cache",
+           "write_npy"]

@@ -1,0 +1,467 @@
+"""What a build makes: the blend, the split, the sample counts, and how the indices are built.
+
+A build config speaks Megatron-LM's vocabulary (``blend`` or ``blend_per_split``, ``split``,
+``seq_length``, ``seed``, samples per split or ``train_iters`` x ``global_batch_size``,
+``add_extra_token``) so a Megatron job's data arguments carry over unchanged. It is a frozen
+dataclass; :func:`load_build_config` reads one from a YAML or JSON file.
+
+Only some fields change the arrays (:data:`ARRAY_FIELDS`); the cache key hashes exactly those (see
+:mod:`tokenloom.builder.cache`). The rest say where and how to build (cache directory, timeouts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import yaml
+
+from tokenloom.errors import ConfigError
+from tokenloom.index.blend_spec import DEFAULT_SURPLUS
+from tokenloom.index.split import SPLIT_NAMES, parse_split
+
+#: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
+MODES = ("exact", "stateless")
+
+
+class DatasetBlend(NamedTuple):
+    """Token stores and their weights (``None``: weigh each by its size, Megatron's rule)."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    """A blend turned into ready indices for every split. Fields follow Megatron-LM's names."""
+
+    seq_length: int
+    """Tokens per sample (Megatron's ``--seq-length``), not counting the extra label token."""
+
+    blend: DatasetBlend | None = None
+    """Megatron's ``--data-path``: every split is cut from these stores by ``split``."""
+
+    blend_per_split: tuple[DatasetBlend | None, DatasetBlend | None, DatasetBlend | None] | None = None
+    """Megatron's ``--train/valid/test-data-path``: one blend per split (train, valid, test)."""
+
+    split: str | None = None
+    """Megatron's split string such as ``"969,30,1"``; required with ``blend``, unused otherwise."""
+
+    train_samples: int | None = None
+    """Samples the train split must provide (``train_iters x global_batch_size``); None: one epoch."""
+
+    valid_samples: int | None = None
+    """Samples the validation split must provide; None: one epoch."""
+
+    test_samples: int | None = None
+    """Samples the test split must provide; None: one epoch."""
+
+    seed: int = 1234
+    """Megatron's ``--seed``: the RandomState seed of every shuffle (exact) or the Feistel keys."""
+
+    add_extra_token: bool = True
+    """Whether each sample carries one more token for the shifted labels (Megatron's default)."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Whether the validation split drops its trailing partial sample (Megatron's default)."""
+
+    mid_level_dataset_surplus: float = DEFAULT_SURPLUS
+    """Extra fraction of samples each blended dataset builds (Megatron's default 0.005)."""
+
+    mode: str = "exact"
+    """``"exact"``: megatron-core's arrays bit for bit; ``"stateless"``: tokenloom's Feistel index
+    and closed-form blend, with no per-sample arrays."""
+
+    megatron_tokenizer: Mapping[str, Any] | None = None
+    """The ``unique_identifiers`` of the tokenizer the Megatron job uses, in order; only needed to
+    name files in a Megatron cache (megatron-core puts them into its cache keys)."""
+
+    cache_dir: str = "tokenloom_cache"
+    """Directory of the cache (shared by all ranks, or node-local without a shared filesystem)."""
+
+    megatron_cache_dir: str | None = None
+    """Also write every exact index under megatron-core's file names and md5 keys here."""
+
+    shared_fs: bool = True
+    """Whether every rank sees the same ``cache_dir``; if not, files travel over the process group."""
+
+    timeout_s: float = 1800.0
+    """Seconds a rank waits for the others at a collective before the build fails; must exceed the
+    longest rank's build time (``plan_build`` estimates it)."""
+
+    rng_workers: int = 1
+    """Background processes that draw the RandomState shuffles ahead of the sample walks (exact)."""
+
+    blend_threads: int = 0
+    """Threads of each exact blend (megatron's greedy in chunks, identical arrays); 0: this rank's
+    share of its host's cores (the cores it may use / the build's ranks on the host)."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("seq_length", self.seq_length)
+        if (self.blend is None) == (self.blend_per_split is None):
+            raise ConfigError(
+                "BuildConfig needs exactly one of blend and blend_per_split, got "
+                f"{'both' if self.blend is not None else 'neither'}; blend cuts every split from one "
+                "set of stores by `split`, blend_per_split gives each split its own stores"
+            )
+        if self.blend is not None:
+            object.__setattr__(self, "blend", _as_blend(self.blend, "blend"))
+            if self.split is None:
+                raise ConfigError("BuildConfig.split is required with blend, e.g. split='969,30,1'")
+            parse_split(self.split)
+        else:
+            per_split = self.blend_per_split
+            if isinstance(per_split, Mapping):
+                unknown = sorted(set(per_split) - set(SPLIT_NAMES))
+                if unknown:
+                    raise ConfigError(f"blend_per_split has keys {unknown}; expected {list(SPLIT_NAMES)}")
+                per_split = tuple(per_split.get(name) for name in SPLIT_NAMES)
+            if not isinstance(per_split, (tuple, list)) or len(per_split) != len(SPLIT_NAMES):
+                raise ConfigError(
+                    f"blend_per_split={self.blend_per_split!r}; expected three blends (train, valid, "
+                    "test), None where a split has no data"
+                )
+            blends = tuple(
+                None if b is None else _as_blend(b, f"blend_per_split[{name}]")
+                for b, name in zip(per_split, SPLIT_NAMES)
+            )
+            if all(b is None for b in blends):
+                raise ConfigError("blend_per_split gives no blend for any split; expected at least one")
+            object.__setattr__(self, "blend_per_split", blends)
+            if self.split is not None:
+                raise ConfigError(
+                    f"split={self.split!r} given with blend_per_split; Megatron rejects the pair "
+                    "(each split already has its own stores): remove split"
+                )
+        for name in ("train_samples", "valid_samples", "test_samples"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_non_negative_int(name, value)
+        _check_non_negative_int("seed", self.seed)
+        if self.seed >= 2**32:
+            raise ConfigError(f"seed={self.seed}; expected an integer below 2**32 (a RandomState seed)")
+        for name in ("add_extra_token", "drop_last_partial_validation_sequence", "shared_fs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}; expected true or false")
+        surplus = self.mid_level_dataset_surplus
+        if isinstance(surplus, bool) or not isinstance(surplus, (int, float)) or not 0 <= surplus < 10:
+            raise ConfigError(f"mid_level_dataset_surplus={surplus!r}; expected a number in [0, 10)")
+        object.__setattr__(self, "mid_level_dataset_surplus", float(surplus))
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}; expected one of {list(MODES)}")
+        if self.megatron_tokenizer is not None and not isinstance(self.megatron_tokenizer, Mapping):
+            raise ConfigError(
+                f"megatron_tokenizer={self.megatron_tokenizer!r}; expected the mapping a Megatron "
+                "tokenizer's unique_identifiers returns, e.g. {'class': ..., 'vocab_size': ...}"
+            )
+        if self.mode == "stateless" and not self.drop_last_partial_validation_sequence:
+            raise ConfigError(
+                "drop_last_partial_validation_sequence=False with mode='stateless'; the stateless index "
+                "always drops a trailing partial sample: set it to True or use mode='exact'"
+            )
+        if self.megatron_cache_dir is not None and self.mode != "exact":
+            raise ConfigError(
+                f"megatron_cache_dir={self.megatron_cache_dir!r} with mode={self.mode!r}; megatron-core "
+                "can only load exact-mode indices"
+            )
+        if not isinstance(self.cache_dir, (str, os.PathLike)) or not str(self.cache_dir):
+            raise ConfigError(f"cache_dir={self.cache_dir!r}; expected a directory path")
+        object.__setattr__(self, "cache_dir", str(self.cache_dir))
+        if self.megatron_cache_dir is not None:
+            object.__setattr__(self, "megatron_cache_dir", str(self.megatron_cache_dir))
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout_s={timeout!r}; expected a positive number of seconds")
+        _check_non_negative_int("rng_workers", self.rng_workers)
+        _check_non_negative_int("blend_threads", self.blend_threads)
+        for index, name in enumerate(SPLIT_NAMES):
+            blend = self.blend_for_split(index)
+            if blend is not None and blend.weights is not None and len(blend.prefixes) > 1 \
+                    and self.samples_per_split[index] is None:
+                raise ConfigError(
+                    f"{name}_samples is None but the {name} blend has weights; Megatron needs a "
+                    f"sample count to blend by weight: set {name}_samples or drop the weights"
+                )
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def samples_per_split(self) -> tuple[int | None, int | None, int | None]:
+        """(train, valid, test) sample counts, Megatron's ``sizes``."""
+        return (self.train_samples, self.valid_samples, self.test_samples)
+
+    def blend_for_split(self, split_index: int) -> DatasetBlend | None:
+        """The blend split ``split_index`` (0 train, 1 valid, 2 test) draws from."""
+        if self.blend is not None:
+            return self.blend
+        return self.blend_per_split[split_index]
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        """Every distinct store prefix, in first-seen order."""
+        seen: dict[str, None] = {}
+        for index in range(len(SPLIT_NAMES)):
+            blend = self.blend_for_split(index)
+            if blend is not None:
+                seen.update(dict.fromkeys(blend.prefixes))
+        return tuple(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (blends as ``{"prefixes": [...], "weights": [...]}``)."""
+        out = asdict(self)
+        out["blend"] = _blend_dict(self.blend)
+        out["blend_per_split"] = (
+            None if self.blend_per_split is None
+            else {name: _blend_dict(b) for name, b in zip(SPLIT_NAMES, self.blend_per_split)}
+        )
+        out["megatron_tokenizer"] = None if self.megatron_tokenizer is None else dict(self.megatron_tokenizer)
+        return out
+
+    def replace(self, **changes: Any) -> "BuildConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+#: Fields that change some array of some item; the cache key covers each of them (the key of one
+#: item holds the values derived from these that its arrays depend on).
+ARRAY_FIELDS = (
+    "seq_length", "blend", "blend_per_split", "split", "train_samples", "valid_samples",
+    "test_samples", "seed", "add_extra_token", "drop_last_partial_validation_sequence",
+    "mid_level_dataset_surplus", "mode",
+)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}; expected a positive integer")
+
+
+def _check_non_negative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
+
+
+def _as_blend(value: Any, what: str) -> DatasetBlend:
+    """Accept a DatasetBlend, ``{"prefixes": [...], "weights": [...]}``, ``[[prefixes], [weights]]``
+    (megatron-core's tuple) or Megatron-LM's ``--data-path`` list (``["30", "a", "70", "b"]``)."""
+    if isinstance(value, DatasetBlend):
+        prefixes, weights = value.prefixes, value.weights
+    elif isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"prefixes", "weights"})
+        if unknown or "prefixes" not in value:
+            raise ConfigError(f"{what}={dict(value)!r}; expected keys 'prefixes' and optional 'weights'")
+        prefixes, weights = value["prefixes"], value.get("weights")
+    elif isinstance(value, str):
+        prefixes, weights = _parse_data_path(value.split(), what)
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], (list, tuple)):
+        prefixes, weights = value
+    elif isinstance(value, (list, tuple)):
+        prefixes, weights = _parse_data_path([str(v) for v in value], what)
+    else:
+        raise ConfigError(
+            f"{what}={value!r}; expected a list like Megatron's --data-path ['30', 'path/a', '70', "
+            "'path/b'] or a mapping {'prefixes': [...], 'weights': [...]}"
+        )
+    if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, (list, tuple)) or not prefixes:
+        raise ConfigError(f"{what}: prefixes={prefixes!r}; expected a non-empty list of store prefixes")
+    prefixes = tuple(str(p) for p in prefixes)
+    if weights is not None:
+        if not isinstance(weights, (list, tuple)) or len(weights) != len(prefixes):
+            raise ConfigError(
+                f"{what}: {len(prefixes)} prefixes but weights={weights!r}; expected one weight per prefix"
+            )
+        checked = []
+        for prefix, weight in zip(prefixes, weights):
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                    or weight <= 0:
+                raise ConfigError(f"{what}: weight {weight!r} of {prefix}; expected a positive number")
+            checked.append(float(weight))
+        weights = tuple(checked)
+    return DatasetBlend(prefixes, weights)
+
+
+def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[float] | None]:
+    """Megatron-LM's ``--data-path`` list: prefixes alone, or weight/prefix pairs."""
+    if len(tokens) % 2 == 0 and tokens:
+        try:
+            weights = [float(tokens[i]) for i in range(0, len(tokens), 2)]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            return [tokens[i].strip() for i in range(1, len(tokens), 2)], weights
+    for token in tokens:
+        try:
+            float(token)
+        except ValueError:
+            continue
+        raise ConfigError(
+            f"{what}={tokens!r} mixes numbers and prefixes; expected prefixes alone or weight/prefix pairs"
+        )
+    return [t.strip() for t in tokens], None
+
+
+def _blend_dict(blend: DatasetBlend | None) -> dict | None:
+    if blend is None:
+        return None
+    return {"prefixes": list(blend.prefixes), "weights": None if blend.weights is None else list(blend.weights)}
+
+
+# ------------------------------------------------------------------------------------ loading
+
+#: Keys a config file may hold besides BuildConfig's fields, and the aliases it accepts.
+_ALIASES = {
+    "data_path": "blend",
+    "sequence_length": "seq_length",
+    "random_seed": "seed",
+    "add_extra_token_to_sequence": "add_extra_token",
+    "cache": "cache_dir",
+    "data_cache_path": "cache_dir",
+    "megatron_cache": "megatron_cache_dir",
+}
+_SAMPLE_SOURCES = ("samples", "train_iters", "global_batch_size", "eval_interval", "eval_iters", "geometry")
+
+
+def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build config",
+                           base_dir: str | None = None) -> BuildConfig:
+    """A BuildConfig from a mapping in Megatron's vocabulary.
+
+    Sample counts come from ``train_samples``/``valid_samples``/``test_samples``, from
+    ``samples: [train, valid, test]``, from ``train_iters`` x ``global_batch_size`` (with
+    ``eval_interval`` and ``eval_iters`` for the other splits, Megatron-LM's formulas), or from a
+    ``geometry`` file written by ``tokenloom plan`` (relative to ``base_dir``).
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}")
+    names = {f.name for f in fields(BuildConfig)}
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _ALIASES.get(key, key)
+        if name in names:
+            if name in values:
+                raise ConfigError(f"{source}: {key!r} and another alias both set {name!r}")
+            values[name] = value
+        elif key in _SAMPLE_SOURCES:
+            extra[key] = value
+        else:
+            raise ConfigError(
+                f"{source}: unknown key {key!r}; known keys are {sorted(names | set(_SAMPLE_SOURCES))}"
+            )
+    for name in ("train_samples", "valid_samples", "test_samples", "seq_length", "seed"):
+        if name in values:
+            values[name] = _integral(values[name], name, source)
+    counts = _samples_from_extra(extra, values, source, base_dir)
+    for name, count in zip(("train_samples", "valid_samples", "test_samples"), counts):
+        if count is not None:
+            if name in values and values[name] != count:
+                raise ConfigError(f"{source}: {name}={values[name]} disagrees with {count} from the iterations")
+            values[name] = count
+    missing = [f.name for f in fields(BuildConfig) if f.default is MISSING and f.name not in values]
+    if missing:
+        raise ConfigError(f"{source}: missing {missing}")
+    try:
+        return BuildConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _integral(value: Any, name: str, source: str) -> Any:
+    """Accept 1e6 written as a float (YAML, JSON) where an integer is meant."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if number.is_integer():
+            return int(number)
+    return value
+
+
+def _samples_from_extra(extra: dict, values: dict, source: str, base_dir: str | None) -> tuple:
+    if not extra:
+        return (None, None, None)
+    if "samples" in extra:
+        samples = extra.pop("samples")
+        if not isinstance(samples, (list, tuple)) or len(samples) != 3:
+            raise ConfigError(f"{source}: samples={samples!r}; expected [train, valid, test]")
+        if extra:
+            raise ConfigError(f"{source}: samples given with {sorted(extra)}; give one source of counts")
+        return tuple(None if s is None else _integral(s, "samples", source) for s in samples)
+    if "geometry" in extra:
+        from tokenloom.planning.geometry import DataGeometry
+
+        path = Path(extra.pop("geometry"))
+        if base_dir is not None and not path.is_absolute():
+            path = Path(base_dir) / path
+        geometry = DataGeometry.load(path)
+        if extra:
+            raise ConfigError(f"{source}: geometry given with {sorted(extra)}; give one source of counts")
+        if "seq_length" in values and values["seq_length"] != geometry.seq_length:
+            raise ConfigError(
+                f"{source}: seq_length={values['seq_length']} but {path} has {geometry.seq_length}"
+            )
+        values.setdefault("seq_length", geometry.seq_length)
+        return geometry.samples_per_split
+    if "train_iters" not in extra or "global_batch_size" not in extra:
+        raise ConfigError(
+            f"{source}: {sorted(extra)} without both train_iters and global_batch_size; Megatron "
+            "needs both to count samples"
+        )
+    iters = _integral(extra["train_iters"], "train_iters", source)
+    batch = _integral(extra["global_batch_size"], "global_batch_size", source)
+    interval = _integral(extra.get("eval_interval", 1000), "eval_interval", source)
+    eval_iters = _integral(extra.get("eval_iters", 100), "eval_iters", source)
+    for name, value in (("train_iters", iters), ("global_batch_size", batch), ("eval_interval", interval)):
+        _check_positive_int(name, value)
+    _check_non_negative_int("eval_iters", eval_iters)
+    # Megatron-LM's training loop: train, then eval_iters batches every eval_interval steps and
+    # once at the end, then eval_iters batches of test.
+    return (iters * batch, (iters // interval + 1) * eval_iters * batch, eval_iters * batch)
+
+
+def load_build_config(path: str | os.PathLike, **overrides: Any) -> BuildConfig:
+    """Read a BuildConfig from a YAML (``.yaml``/``.yml``) or JSON file; ``overrides`` replace
+    fields after loading (``cache_dir=...``, ``mode=...``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read build config: {exc.strerror or exc}") from None
+    is_yaml = path.suffix.lower() in (".yaml", ".yml")
+    try:
+        data = yaml.safe_load(text) if is_yaml else json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
+    config = build_config_from_dict(data, source=str(path), base_dir=str(path.parent))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(config, **overrides) if overrides else config
+
+
+def as_build_config(config: Any) -> BuildConfig:
+    """A BuildConfig from a BuildConfig, a mapping, or a path to a config file."""
+    if isinstance(config, BuildConfig):
+        return config
+    if isinstance(config, Mapping):
+        return build_config_from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return load_build_config(config)
+    raise ConfigError(f"config={config!r}; expected a BuildConfig, a mapping, or a config file path")
+
+
+__all__ = [
+    "ARRAY_FIELDS",
+    "MODES",
+    "BuildConfig",
+    "DatasetBlend",
+    "as_build_config",
+    "build_config_from_dict",
+    "load_build_config",
+]

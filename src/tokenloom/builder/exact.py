@@ -1,0 +1,208 @@
+"""Exact-mode items: megatron-core's arrays, with the RandomState draws started early.
+
+A ``gpt`` item's arrays come from three steps: the document shuffle and the sample shuffle draw
+from one ``RandomState(seed)`` (in that order) and depend only on sizes known from the plan; the
+sample walk needs the shuffled document index. :class:`ShuffleDrawer` runs the draws of this
+rank's items in background processes, a couple of items ahead, while the main process walks the
+previous item; both orders of work give the same arrays as megatron-core's single thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+
+from tokenloom.errors import BuildError
+from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
+from tokenloom.index.megatron_gpt import build_document_index, build_sample_index, build_shuffle_index
+from tokenloom.index.packing import EpochPlan, plan_epochs
+from tokenloom.index.split import DocumentRange, document_ids
+from tokenloom.io import IndexedDataset
+
+#: Items each background process may run ahead of the walks (bounds the memory held in flight).
+LOOKAHEAD_PER_WORKER = 2
+#: Document positions below which the sample walk uses the numpy kernel (identical arrays); a
+#: rank whose items hold more positions in all compiles the numba walk for every item.
+SMALL_WALK_POSITIONS = 1 << 20
+#: Blend sizes below which the blend runs uncompiled (identical arrays, no JIT start-up).
+SMALL_BLEND_SAMPLES = 4_000
+
+
+def plan_gpt(store: IndexedDataset, params: Mapping[str, Any]) -> EpochPlan:
+    """The epoch plan of a ``gpt`` item (megatron-core's arithmetic)."""
+    ids = document_ids(DocumentRange(params["begin"], params["end"]))
+    return plan_epochs(store.sequence_lengths, ids, num_samples=params["num_samples"],
+                       seq_length=params["seq_length"], add_extra_token=params["add_extra_token"],
+                       drop_last_partial=params["drop_last_partial"])
+
+
+def draw_shuffles(prefix: str, params: Mapping[str, Any]) -> tuple[EpochPlan, np.ndarray, np.ndarray]:
+    """The item's RandomState work: ``(plan, document_index, shuffle_index)``.
+
+    The shuffle index is drawn after the document index from the same RandomState, exactly as
+    megatron-core does; its length is known from the plan before any walk.
+    """
+    store = IndexedDataset(prefix)
+    plan = plan_gpt(store, params)
+    random_state = np.random.RandomState(params["seed"])
+    ids = document_ids(DocumentRange(params["begin"], params["end"]))
+    document_index = build_document_index(ids, plan, random_state)  # (epochs * docs,) int32
+    shuffle_index = build_shuffle_index(plan, plan.num_samples_in_index, random_state)  # (S,)
+    return plan, document_index, shuffle_index
+
+
+def build_gpt_arrays(prefix: str, params: Mapping[str, Any],
+                     draws: tuple[EpochPlan, np.ndarray, np.ndarray] | None = None, *,
+                     compiled: bool | None = None) -> tuple[dict[str, np.ndarray], EpochPlan]:
+    """The three arrays of a ``gpt`` item (drawing the shuffles here if ``draws`` is None).
+
+    ``compiled`` picks the numba sample walk (True) or the numpy one (False; identical arrays);
+    None decides by the item's size. A rank with much work compiles once and gains on every item.
+    """
+    plan, document_index, shuffle_index = draws if draws is not None else draw_shuffles(prefix, params)
+    store = IndexedDataset(prefix)
+    lengths = store.sequence_lengths
+    if document_index.shape[0] * 2 > lengths.shape[0]:
+        lengths = np.array(lengths)  # dense access: read the lengths once instead of paging
+    # small walks skip the numba kernel: compiling it costs more than the numpy kernel's walk
+    if compiled is None:
+        compiled = document_index.shape[0] >= SMALL_WALK_POSITIONS
+    kernel = None if compiled else "numpy"
+    sample_index = build_sample_index(lengths, document_index, plan, kernel=kernel)  # (S + 1, 2)
+    if sample_index.shape[0] - 1 != shuffle_index.shape[0]:
+        raise BuildError(
+            f"{prefix}: the sample walk made {sample_index.shape[0] - 1} samples but the plan promised "
+            f"{shuffle_index.shape[0]}; the store changed during the build?"
+        )
+    arrays = {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+    return arrays, plan
+
+
+def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[str, np.ndarray]:
+    """megatron-core's ``dataset_index`` and ``dataset_sample_index`` of a ``blend`` item
+    (``threads``: see :func:`tokenloom.index.megatron_blend.megatron_blend`; same arrays)."""
+    lengths = params["dataset_lengths"]
+    size = sum(params["weights"]) if params["size"] is None else params["size"]
+    backend = "python" if size < SMALL_BLEND_SAMPLES else "auto"  # same arrays, no compile
+    if params["size"] is None:
+        dataset_index, dataset_sample_index = megatron_exhaustive_blend(params["weights"], backend=backend,
+                                                                        threads=threads)
+    else:
+        dataset_index, dataset_sample_index = megatron_blend(params["weights"], params["size"], backend=backend,
+                                                             threads=threads)
+    counts = np.bincount(dataset_index.astype(np.int64), minlength=len(lengths))  # (D,)
+    over = np.flatnonzero(counts > np.asarray(lengths, dtype=np.int64))
+    if over.size:
+        d = int(over[0])
+        raise BuildError(
+            f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
+            f"{lengths[d]}; raise mid_level_dataset_surplus (megatron-core fails here too)"
+        )
+    return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+
+def plan_to_dict(plan: EpochPlan) -> dict[str, Any]:
+    return dataclasses.asdict(plan)
+
+
+def plan_from_dict(data: Mapping[str, Any]) -> EpochPlan:
+    return EpochPlan(**data)
+
+
+class ShuffleDrawer:
+    """Draws the shuffles of a sequence of ``gpt`` items ahead of time in background processes.
+
+    ``get(i)`` returns the draws of item ``i`` of the list given at construction (in order).
+    With ``workers=0`` everything runs inline on demand. The workers are plain subprocesses
+    (``python -c``) fed pickled jobs over a pipe, so the caller's ``__main__`` is never
+    re-imported (as multiprocessing's spawn would) and no threads are forked.
+    """
+
+    def __init__(self, jobs: list[tuple[str, Mapping[str, Any]]], workers: int) -> None:
+        self._jobs = jobs
+        self._next = 0  # next job to send
+        self._procs: list[subprocess.Popen] = []
+        self._sent: collections.deque[int] = collections.deque()  # worker of each job in flight
+        if workers > 0 and len(jobs) > 1:
+            env = dict(os.environ)
+            src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            for _ in range(workers):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-c", "from tokenloom.builder.exact import drawer_main; drawer_main()"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+            self._ahead = workers * LOOKAHEAD_PER_WORKER
+            self._fill()
+
+    def _fill(self) -> None:
+        while self._procs and self._next < len(self._jobs) and len(self._sent) < self._ahead:
+            worker = self._next % len(self._procs)
+            _send(self._procs[worker].stdin, self._jobs[self._next])
+            self._sent.append(worker)
+            self._next += 1
+
+    def get(self, index: int):
+        if not self._procs:
+            prefix, params = self._jobs[index]
+            return draw_shuffles(prefix, params)
+        worker = self._sent.popleft()
+        status, value = _receive(self._procs[worker].stdout)
+        self._fill()
+        if status != "ok":
+            raise BuildError(f"the background shuffle worker failed: {value}")
+        return value
+
+    def close(self) -> None:
+        for proc in self._procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(len(data).to_bytes(8, "little"))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        return "error", "the worker exited"
+    size = int.from_bytes(head, "little")
+    return pickle.loads(stream.read(size))
+
+
+def drawer_main() -> None:
+    """The background worker: read ``(prefix, params)`` jobs from stdin, write draws to stdout."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        head = stdin.read(8)
+        if len(head) < 8:
+            return
+        prefix, params = pickle.loads(stdin.read(int.from_bytes(head, "little")))
+        try:
+            result = ("ok", draw_shuffles(prefix, params))
+        except Exception as exc:  # reported to the parent, which fails the item
+            result = ("error", f"{type(exc).__name__}: {exc}")
+        _send(stdout, result)
+
+
+__all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "draw_shuffles", "plan_from_dict",
+           "plan_gpt", "plan_to_dict"]

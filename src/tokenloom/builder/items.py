@@ -1,0 +1,365 @@
+"""The work of a build: items, what each costs, and which rank does which.
+
+A build config and the fingerprints of its stores resolve into **work items**, following
+megatron-core's ``BlendedMegatronDatasetBuilder`` exactly (same sample counts per dataset, same
+blend sizes and weights):
+
+* a ``gpt`` item: one (store, split) packed-sample index;
+* a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store).
+
+Every item is self-contained (the planner already knows each dataset's length from its token
+count), so all items, blends included, run in parallel. The cost model estimates seconds from
+document positions, samples and blend size; items go to ranks by longest-processing-time-first
+(each item, costliest first, to the least-loaded rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from tokenloom.builder.config import BuildConfig
+from tokenloom.builder.keys import CACHE_FORMAT_VERSION, hash_key
+from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
+from tokenloom.builder.stores import StoreInfo
+from tokenloom.errors import ConfigError
+from tokenloom.index.blend_spec import megatron_normalize, megatron_sizes
+from tokenloom.index.packing import EpochPlan, plan_epochs
+from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkItem:
+    """One unit of work: build the arrays of one (dataset, split) index or one split's blend."""
+
+    kind: str
+    """``"gpt"`` (a packed-sample index) or ``"blend"``."""
+    key: str
+    """Cache key: hash of :attr:`params`."""
+    split: str
+    """``train``, ``valid`` or ``test``."""
+    label: str
+    """Human-readable name for messages, e.g. ``gpt train data/wiki``."""
+    params: Mapping[str, Any]
+    """Everything that determines the arrays (JSON values); the key hashes exactly this."""
+    num_samples: int
+    """Samples of the finished index (its length)."""
+    output_bytes: int
+    """Bytes of the arrays it writes."""
+    cost_s: float
+    """Estimated seconds to build on one core."""
+    megatron: MegatronName | None = None
+    """megatron-core's name for these arrays (exact mode), or None."""
+    prefix: str | None = None
+    """The store a ``gpt`` item reads (as the config names it); None for a blend."""
+    epoch_plan: EpochPlan | None = None
+    """A ``gpt`` item's epoch arithmetic (megatron-core's), known before any array is built."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitPlan:
+    """What one split of the result is made of."""
+
+    name: str
+    """``train``, ``valid`` or ``test``."""
+    prefixes: tuple[str, ...]
+    """The stores of the blend, in blend order."""
+    dataset_keys: tuple[str, ...]
+    """Key of each store's ``gpt`` item, in blend order."""
+    blend_key: str | None
+    """Key of the ``blend`` item, or None when the split reads one store directly."""
+    num_samples: int
+    """Samples the split serves."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildPlan:
+    """Every item of a build, the splits they make, and the assignment of items to ranks."""
+
+    items: tuple[WorkItem, ...]
+    """Distinct items, in a fixed order (the same on every rank)."""
+    splits: tuple[SplitPlan, ...]
+    """The splits that have data."""
+    world_size: int
+    """Ranks the items are spread over."""
+    assignment: Mapping[str, int] = field(default_factory=dict)
+    """Item key -> rank that builds it (only items that need building)."""
+
+    def item(self, key: str) -> WorkItem:
+        for item in self.items:
+            if item.key == key:
+                return item
+        raise KeyError(key)
+
+    def items_of_rank(self, rank: int) -> list[WorkItem]:
+        """Items ``rank`` builds, costliest first."""
+        mine = [item for item in self.items if self.assignment.get(item.key) == rank]
+        return sorted(mine, key=lambda item: (-item.cost_s, item.key))
+
+    def seconds_per_rank(self) -> list[float]:
+        loads = [0.0] * self.world_size
+        by_key = {item.key: item for item in self.items}
+        for key, rank in self.assignment.items():
+            loads[rank] += by_key[key].cost_s
+        return loads
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(item.output_bytes for item in self.items)
+
+
+# ------------------------------------------------------------------------------------ cost model
+
+#: Seconds per unit of work on one core, measured on the benchmark machine (BENCHMARKS.md); only
+#: ratios matter for the assignment, the absolute values feed the dry-run estimate.
+COST_PER_DOCUMENT_POSITION_S = 25e-9
+"""RandomState shuffle of the document index plus the sample walk, per document position."""
+COST_PER_SAMPLE_S = 30e-9
+"""Sample-index row and shuffle-index draw, per sample."""
+COST_PER_BLEND_SAMPLE_S = 150e-9
+"""megatron-core's greedy blend, per blended sample."""
+COST_PER_BYTE_S = 0.5e-9
+"""Writing and hashing output, per byte."""
+COST_PER_ITEM_S = 2e-3
+"""Fixed cost of an item: opening files, the record, renames."""
+COST_PER_STATELESS_DOCUMENT_S = 4e-9
+"""Stateless mode: block prefix sums, per document."""
+
+
+def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
+    return (COST_PER_ITEM_S + COST_PER_DOCUMENT_POSITION_S * num_positions
+            + COST_PER_SAMPLE_S * num_samples + COST_PER_BYTE_S * output_bytes)
+
+
+# ------------------------------------------------------------------------------------ resolution
+
+
+def split_ranges(config: BuildConfig, num_sequences: int, prefix: str) -> list[tuple[int, int] | None]:
+    """The sequence range of ``prefix`` each split uses (None: the split does not read it)."""
+    if config.blend is not None:
+        ranges = split_document_ranges(config.split, num_sequences)
+        return [None if r is None else (r.begin, r.end) for r in ranges]
+    out: list[tuple[int, int] | None] = []
+    for index in range(len(SPLIT_NAMES)):
+        blend = config.blend_per_split[index]
+        out.append((0, num_sequences) if blend is not None and prefix in blend.prefixes else None)
+    return out
+
+
+def ranges_for(config: BuildConfig, prefix: str):
+    """The function :func:`tokenloom.builder.stores.fingerprint_store` needs for ``prefix``."""
+    def ranges(num_sequences: int) -> list[tuple[int, int]]:
+        return sorted({r for r in split_ranges(config, num_sequences, prefix) if r is not None})
+    return ranges
+
+
+def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int, end: int,
+              num_samples: int | None) -> WorkItem:
+    split = SPLIT_NAMES[split_index]
+    drop_last = True if split != "valid" else config.drop_last_partial_validation_sequence
+    if config.mode == "stateless":
+        drop_last = True  # the stateless index always drops a trailing partial sample
+    tokens = info.tokens_in(begin, end)
+    num_documents = end - begin
+    if tokens <= 0:
+        raise ConfigError(
+            f"{info.prefix}: the {split} split (sequences {begin}..{end} of {info.num_sequences}) holds "
+            f"no tokens; expected at least one; check the split string and the store"
+        )
+    # the plan's rules depend on the token count only: plan one document holding every token
+    epoch_plan = plan_epochs(np.array([tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
+                             num_samples=num_samples, seq_length=config.seq_length,
+                             add_extra_token=config.add_extra_token, drop_last_partial=drop_last)
+    epoch_plan = dataclasses.replace(epoch_plan, num_documents=num_documents)
+    num_epochs = epoch_plan.num_epochs
+    samples = epoch_plan.num_samples_in_index
+    positions = num_epochs * num_documents
+    params: dict[str, Any] = {
+        "format": CACHE_FORMAT_VERSION, "kind": "gpt", "mode": config.mode,
+        "split": split, "store": info.fingerprint.to_dict(), "begin": begin, "end": end,
+        "num_samples": num_samples,
+        "seq_length": config.seq_length, "seed": config.seed, "add_extra_token": config.add_extra_token,
+        "drop_last_partial": drop_last,
+    }
+    megatron = None
+    if config.mode == "exact":
+        sample_row_bytes = 4 if positions <= np.iinfo(np.int32).max else 8
+        shuffle_bytes = 4 if samples < np.iinfo(np.uint32).max - 1 else 8
+        output_bytes = 4 * positions + 2 * sample_row_bytes * (samples + 1) + shuffle_bytes * samples
+        cost = _gpt_cost(positions, samples, output_bytes)
+        identifiers = gpt_identifiers(
+            dataset_path=info.prefix, num_samples=num_samples, split=split, random_seed=config.seed,
+            sequence_length=config.seq_length, split_string=config.split,
+            tokenizer=config.megatron_tokenizer)
+        megatron = gpt_name(identifiers)
+    else:
+        output_bytes = 8 * (positions // 16 + 2) + 4096
+        cost = COST_PER_ITEM_S + COST_PER_STATELESS_DOCUMENT_S * positions
+    return WorkItem(kind="gpt", key=hash_key(params), split=split, label=f"gpt {split} {info.prefix}",
+                    params=params, num_samples=samples, output_bytes=output_bytes, cost_s=cost,
+                    megatron=megatron, prefix=info.prefix, epoch_plan=epoch_plan)
+
+
+def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem], weights: list,
+                size: int | None) -> WorkItem:
+    split = SPLIT_NAMES[split_index]
+    exhaustive = size is None
+    total = int(sum(weights)) if exhaustive else int(size)
+    params: dict[str, Any] = {
+        "format": CACHE_FORMAT_VERSION, "kind": "blend", "mode": config.mode,
+        "weights": list(weights), "size": size, "seed": config.seed,
+        "datasets": [d.key for d in datasets],
+        "dataset_lengths": [d.num_samples for d in datasets],
+    }
+    megatron = None
+    if config.mode == "exact":
+        output_bytes = total * (np.dtype(np.int16).itemsize + 8)
+        cost = COST_PER_ITEM_S + COST_PER_BLEND_SAMPLE_S * total + COST_PER_BYTE_S * output_bytes
+        megatron = blend_name(
+            datasets=[_identifiers_of(d) for d in datasets], split=split, weights=list(weights), size=size)
+    else:
+        output_bytes = 4096
+        cost = COST_PER_ITEM_S + 1e-6 * len(datasets)
+    return WorkItem(kind="blend", key=hash_key(params), split=split,
+                    label=f"blend {split} of {len(datasets)} datasets", params=params,
+                    num_samples=total, output_bytes=output_bytes, cost_s=cost, megatron=megatron)
+
+
+def _identifiers_of(item: WorkItem):
+    import json
+    from collections import OrderedDict
+
+    return json.loads(item.megatron.description, object_pairs_hook=OrderedDict)
+
+
+def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[list[WorkItem], list[SplitPlan]]:
+    """Items and splits of ``config`` given every store's info, megatron-core's builder semantics."""
+    items: dict[str, WorkItem] = {}
+    splits: list[SplitPlan] = []
+    sizes = config.samples_per_split
+    for split_index, split in enumerate(SPLIT_NAMES):
+        blend = config.blend_for_split(split_index)
+        if blend is None:
+            continue
+        ranges = [split_ranges(config, infos[p].num_sequences, p)[split_index] for p in blend.prefixes]
+        if any(r is None for r in ranges):
+            continue  # the split string gives this split no weight
+        size = sizes[split_index]
+        direct = len(blend.prefixes) == 1 and (blend.weights is None or config.blend is None)
+        if direct:
+            item = _gpt_item(config, infos[blend.prefixes[0]], split_index, *ranges[0], size)
+            items.setdefault(item.key, item)
+            splits.append(SplitPlan(name=split, prefixes=blend.prefixes, dataset_keys=(item.key,),
+                                    blend_key=None, num_samples=item.num_samples))
+            continue
+        if config.mode == "stateless":
+            datasets, blend_weights, blend_size = _stateless_sizes(config, infos, blend, split_index, ranges, size)
+        elif blend.weights is not None:
+            if size is None:
+                raise ConfigError(
+                    f"{split}_samples is None but the {split} blend has weights; megatron-core needs a "
+                    f"sample count to blend by weight: set {split}_samples or drop the weights")
+            megatron = megatron_sizes(blend.weights, size, surplus=config.mid_level_dataset_surplus)
+            datasets = [_gpt_item(config, infos[p], split_index, *r, n)
+                        for p, r, n in zip(blend.prefixes, ranges, megatron.buffers)]
+            # BlendedDataset normalises the already normalised weights once more.
+            blend_weights = megatron_normalize(megatron_normalize(blend.weights)).tolist()
+            blend_size: int | None = megatron.blended_size
+        else:
+            datasets = [_gpt_item(config, infos[p], split_index, *r, None)
+                        for p, r in zip(blend.prefixes, ranges)]
+            blend_weights = [d.num_samples for d in datasets]
+            if size is not None:
+                blend_size = min(size, sum(blend_weights))
+                blend_weights = megatron_normalize(blend_weights).tolist()
+            else:
+                blend_size = None
+        for item in datasets:
+            items.setdefault(item.key, item)
+        blend_item = _blend_item(config, split_index, datasets, blend_weights, blend_size)
+        items.setdefault(blend_item.key, blend_item)
+        splits.append(SplitPlan(name=split, prefixes=blend.prefixes,
+                                dataset_keys=tuple(d.key for d in datasets),
+                                blend_key=blend_item.key, num_samples=blend_item.num_samples))
+    return list(items.values()), splits
+
+
+def _stateless_sizes(config, infos, blend, split_index, ranges, size):
+    """tokenloom's sizing: exactly ``size`` samples, largest-remainder counts, each dataset built
+    with exactly its count (no surplus)."""
+    from tokenloom.index.blend import largest_remainder_counts
+
+    split = SPLIT_NAMES[split_index]
+    if blend.weights is not None:
+        if size is None:
+            raise ConfigError(f"{split}_samples is None but the {split} blend has weights; set {split}_samples")
+        weights = megatron_normalize(blend.weights).tolist()
+        counts = largest_remainder_counts(np.asarray(weights), size).tolist()
+        datasets = [_gpt_item(config, infos[p], split_index, *r, int(n))
+                    for p, r, n in zip(blend.prefixes, ranges, counts)]
+        return datasets, weights, int(size)
+    datasets = [_gpt_item(config, infos[p], split_index, *r, None) for p, r in zip(blend.prefixes, ranges)]
+    lengths = [d.num_samples for d in datasets]
+    total = sum(lengths) if size is None else min(size, sum(lengths))
+    return datasets, megatron_normalize(lengths).tolist(), int(total)
+
+
+def assign_lpt(items: list[WorkItem], world_size: int) -> dict[str, int]:
+    """Longest processing time first: each item, costliest first, to the least-loaded rank
+    (ties to the lowest rank); deterministic, so every rank computes the same assignment."""
+    heap = [(0.0, rank) for rank in range(world_size)]
+    assignment: dict[str, int] = {}
+    for item in sorted(items, key=lambda item: (-item.cost_s, item.key)):
+        load, rank = heapq.heappop(heap)
+        assignment[item.key] = rank
+        heapq.heappush(heap, (load + item.cost_s, rank))
+    return assignment
+
+
+def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: int,
+               done: frozenset[str] = frozenset()) -> BuildPlan:
+    """The plan: every item, the splits, and the ranks that build the items not in ``done``."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}; expected a positive integer")
+    items, splits = resolve_items(config, infos)
+    todo = [item for item in items if item.key not in done]
+    return BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size,
+                     assignment=assign_lpt(todo, world_size))
+
+
+def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
+    """The dry-run report: items per rank, estimated seconds, memory and cache size."""
+    loads = plan.seconds_per_rank()
+    by_rank: dict[int, list[WorkItem]] = {r: plan.items_of_rank(r) for r in range(plan.world_size)}
+    cached = sum(1 for item in plan.items if item.key in done)
+    lines = [
+        f"{len(plan.items)} items ({sum(i.kind == 'gpt' for i in plan.items)} dataset indices, "
+        f"{sum(i.kind == 'blend' for i in plan.items)} blends), {cached} already in the cache, "
+        f"{len(plan.assignment)} to build on {plan.world_size} rank(s)",
+    ]
+    for split in plan.splits:
+        lines.append(f"  {split.name}: {split.num_samples:,} samples from {len(split.prefixes)} store(s)"
+                     + ("" if split.blend_key is None else " (blended)"))
+    lines.append(f"  {'rank':>6} {'items':>7} {'est. s':>9} {'peak MiB':>9}")
+    shown = plan.world_size if plan.world_size <= 16 else 8
+    for rank in range(shown):
+        mine = by_rank[rank]
+        peak = max((i.output_bytes for i in mine), default=0) * 2
+        lines.append(f"  {rank:>6} {len(mine):>7} {loads[rank]:>9.2f} {peak / 2**20:>9.1f}")
+    if shown < plan.world_size:
+        lines.append(f"  ... {plan.world_size - shown} more ranks")
+    total = sum(loads)
+    lines.append(f"  total {total:.2f} s of work; slowest rank {max(loads, default=0.0):.2f} s "
+                 f"(set the job's timeout above this)")
+    lines.append(f"  cache size {plan.cache_bytes / 2**20:,.1f} MiB")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "format_plan", "plan_build", "ranges_for",
+    "resolve_items", "split_ranges",
+]

@@ -1,0 +1,470 @@
+"""``tokenloom.build(config, group=None)``: the phases of a build, on every rank.
+
+1. **fingerprint** -- ranks hash the stores round-robin and gather the fingerprints;
+2. **plan** -- every rank resolves the same items and keys, checks its cache, and all ranks agree
+   on what is missing; missing items go to ranks by longest processing time first;
+3. **build** -- each rank builds its items (locks per item, atomic publication);
+4. **transfer** -- without a shared filesystem, each finished item travels over the group to one
+   writer per node that lacks it;
+5. **finalize** -- writers record the manifest (and the megatron-core cache), every rank opens
+   the result by mmap.
+
+Each phase ends with :func:`tokenloom.builder.collective.agree`: statuses are gathered before anything
+else happens, and a failure anywhere raises the same BuildError on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from tokenloom.builder.cache import Cache, PackWriter, host_record
+from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
+from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
+from tokenloom.builder.exact import SMALL_WALK_POSITIONS, ShuffleDrawer, build_blend_arrays, build_gpt_arrays, plan_to_dict
+from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
+from tokenloom.builder.keys import CACHE_FORMAT_VERSION, canonical_json, hash_key
+from tokenloom.builder.megatron_export import export_megatron_item
+from tokenloom.builder.result import BuildResult
+from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
+from tokenloom.builder.stores import StoreInfo, fingerprint_store
+from tokenloom.builder.transfer import pack_item, unpack_item
+from tokenloom.errors import BuildError
+
+log = logging.getLogger(__name__)
+
+MIN_BACKGROUND_WORK_S = 2.0
+"""Estimated seconds of ``gpt`` work below which a rank draws its shuffles inline."""
+
+ProgressCallback = Callable[[int, int], None]
+"""``on_progress(items_done, items_total)``; called on rank 0 only."""
+
+
+def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCallback | None = None,
+          on_plan: Callable[[BuildPlan, frozenset], None] | None = None,
+          _before_item: Callable[[WorkItem, int], None] | None = None):
+    """Build (or reuse from the cache) every index of ``config`` and open them on every rank.
+
+    ``config`` is a :class:`BuildConfig`, a mapping, or a YAML/JSON path. ``group`` is a
+    torch.distributed process group of the ranks that build together (default: every rank of an
+    initialised job, or this process alone); the build makes its own gloo group over those ranks.
+    Every rank of the group must call ``build`` with the same config.
+
+    Returns a :class:`BuildResult`, or with ``dry_run`` the :class:`BuildPlan` (nothing written).
+    ``on_plan(plan, cached_keys)`` is called on rank 0 once the plan is known; ``on_progress``
+    reports items done while building, on rank 0.
+    """
+    config = as_build_config(config)
+    group, owned = open_group(group, timeout_s=config.timeout_s)
+    try:
+        return _Build(config, group, on_progress, on_plan, _before_item).run(dry_run)
+    finally:
+        group.close()
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+class _Build:
+    def __init__(self, config: BuildConfig, group, on_progress, on_plan, before_item) -> None:
+        self.config = config
+        self.group = group
+        self.rank = group.rank
+        self.world = group.world_size
+        self.cache = Cache(config.cache_dir)
+        self.on_progress = on_progress if group.rank == 0 else None
+        self.on_plan = on_plan if group.rank == 0 else None
+        self.before_item = before_item
+        self.timings: dict[str, float] = {}
+
+    def _timed(self, phase: str, start: float) -> None:
+        self.timings[f"{phase}_s"] = round(time.perf_counter() - start, 6)
+
+    def run(self, dry_run: bool):
+        start = time.perf_counter()
+        infos = self._fingerprint()
+        self._timed("fingerprint", start)
+
+        start = time.perf_counter()
+        plan, nodes, present = self._plan()
+        self._timed("plan", start)
+        done = frozenset(k for k in (i.key for i in plan.items) if all(k in p for p in present.values()))
+        if self.on_plan is not None:
+            self.on_plan(plan, done)
+        if dry_run:
+            return plan
+
+        start = time.perf_counter()
+        records = self._build_items(plan)
+        self._timed("build", start)
+
+        start = time.perf_counter()
+        if not self.config.shared_fs:
+            self._transfer(plan, nodes, present, records)
+        self._timed("transfer", start)
+
+        start = time.perf_counter()
+        build_key, manifest_path = self._finalize(plan, infos, nodes, records)
+        self._timed("finalize", start)
+
+        start = time.perf_counter()
+        result = None
+        failure = None
+        try:
+            result = BuildResult(cache=self.cache, plan=plan, build_key=build_key, mode=self.config.mode,
+                                 manifest_path=manifest_path, seq_length=self.config.seq_length,
+                                 add_extra_token=self.config.add_extra_token,
+                                 weights=self._split_weights(plan), timings=self.timings,
+                                 built_keys=frozenset(records), rank=self.rank)
+        except Exception as exc:
+            failure = failure_from(exc, rank=self.rank, phase="open", item=None)
+        agree(self.group, failure, phase="open")
+        self._timed("open", start)
+        result.timings.update(self.timings)
+        if self.rank == 0:
+            log.info("build %s: %d items, %d built, timings %s", build_key[:12], len(plan.items),
+                     len(records), self.timings)
+        return result
+
+    # -- 1. fingerprint -------------------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, StoreInfo]:
+        prefixes = self.config.prefixes
+        mine: dict[str, StoreInfo] = {}
+        failure = None
+        for prefix in prefixes[self.rank::self.world]:
+            try:
+                mine[prefix] = fingerprint_store(prefix, ranges_for(self.config, prefix))
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="fingerprint", item=f"store {prefix}")
+                break
+        gathered = agree(self.group, failure, phase="fingerprint",
+                         payload=(mine, node_key(self.config.cache_dir)))
+        infos: dict[str, StoreInfo] = {}
+        for part, _ in gathered:
+            infos.update(part)
+        self._node_keys = [key for _, key in gathered]
+        self.infos = {p: infos[p] for p in prefixes}
+        return self.infos
+
+    # -- 2. plan --------------------------------------------------------------------------------
+    def _plan(self):
+        failure = None
+        plan = None
+        mine: set[str] | None = None
+        try:
+            plan = plan_build(self.config, self.infos, self.world)
+        except Exception as exc:
+            failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
+        if self.config.shared_fs:
+            nodes = {rank: 0 for rank in range(self.world)}
+            writers = {0: 0}
+        else:
+            by_key = writers_by_node(self._node_keys)
+            nodes = {rank: by_key[key] for rank, key in enumerate(self._node_keys)}
+            writers = {w: w for w in set(nodes.values())}
+        if plan is not None and self.rank in writers:
+            try:
+                mine = {item.key for item in plan.items if self.cache.has(item.key)}
+            except Exception as exc:  # pragma: no cover - a broken filesystem
+                failure = failure_from(exc, rank=self.rank, phase="plan", item="cache lookup")
+        gathered = agree(self.group, failure, phase="plan", payload=mine)
+        present = {writer: gathered[writer] for writer in writers}
+        everywhere_missing = [item for item in plan.items
+                              if not any(item.key in keys for keys in present.values())]
+        plan = BuildPlan(items=plan.items, splits=plan.splits, world_size=self.world,
+                         assignment=assign_lpt(everywhere_missing, self.world))
+        return plan, nodes, present
+
+    # -- 3. build -------------------------------------------------------------------------------
+    def _build_items(self, plan: BuildPlan) -> dict[str, dict]:
+        mine = plan.items_of_rank(self.rank)
+        exact = self.config.mode == "exact"
+        gpt_jobs = [(item.prefix, item.params) for item in mine if item.kind == "gpt" and exact]
+        records: dict[str, dict] = {}
+        failure = None
+        poller = _ProgressPoller(self.cache, list(plan.assignment), self.on_progress,
+                                 poll=self.config.shared_fs and self.world > 1)
+        # background draws pay off once the work outweighs starting a process (about a second)
+        draw_cost = sum(item.cost_s for item in mine if item.kind == "gpt")
+        workers = self.config.rng_workers if draw_cost > MIN_BACKGROUND_WORK_S else 0
+        drawer = ShuffleDrawer(gpt_jobs, workers) if gpt_jobs else None
+        packs = PackWriter(self.cache)
+        positions = sum(_positions(item) for item in mine if item.kind == "gpt")
+        self._compiled_walk = True if positions >= SMALL_WALK_POSITIONS else None
+        gpt_seen = 0
+        # blends run on a thread beside the dataset items (their kernel releases the GIL)
+        blends = [item for item in mine if item.kind == "blend"]
+        blend_thread = _BlendThread(self, blends, packs, records, poller) if blends else None
+        try:
+            for item in mine:
+                if item.kind == "blend":
+                    continue
+                try:
+                    draws_index = gpt_seen  # the drawer serves the dataset items in this order
+                    gpt_seen += 1
+                    if self.before_item is not None:
+                        self.before_item(item, self.rank)
+                    self._build_and_queue(item, packs, records, poller,
+                                          lambda i=draws_index: drawer.get(i) if exact else None)
+                except Exception as exc:
+                    failure = failure_from(exc, rank=self.rank, phase="build", item=item.label)
+                    break
+                if blend_thread is not None and blend_thread.failure is not None:
+                    break
+        finally:
+            if blend_thread is not None:
+                blend_thread.join()
+                failure = failure or blend_thread.failure
+            if drawer is not None:
+                drawer.close()
+            try:
+                packs.close()  # publishes what was finished, even after a failure
+            except Exception as exc:
+                if failure is None:
+                    failure = failure_from(exc, rank=self.rank, phase="build", item="publishing a pack")
+            self.cache.close_locks()
+        gathered = agree(self.group, failure, phase="build", payload=records)
+        poller.stop()
+        merged: dict[str, dict] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def _build_and_queue(self, item: WorkItem, packs: PackWriter, records: dict, poller, get_draws) -> bool:
+        """Build ``item`` under its lock and queue it for publication; False if another job had
+        already built it."""
+        token = self.cache.acquire(item.key)
+        try:
+            draws = get_draws()
+            if self.cache.has(item.key):
+                self.cache.release(token)  # another job built it while we waited
+                return False
+            arrays, record = self._build_one(item, draws)
+        except BaseException:
+            self.cache.release(token)
+            raise
+
+        def published(full, token=token, key=item.key):
+            self.cache.release(token)
+            records[key] = full
+            poller.done_locally(key)
+
+        packs.add(item.key, arrays, record, published)
+        return True
+
+    def _blend_threads(self) -> int:
+        """Threads for an exact blend: the config's, or this rank's share of its host's cores."""
+        if self.config.blend_threads:
+            return self.config.blend_threads
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not on Linux
+            cores = os.cpu_count() or 1
+        host = self._node_keys[self.rank][0] if self._node_keys else None
+        ranks_here = sum(1 for key in self._node_keys if key[0] == host) if self._node_keys else 1
+        return max(1, cores // max(1, ranks_here))
+
+    def _build_one(self, item: WorkItem, draws):
+        """The arrays of ``item`` and its record."""
+        started = time.perf_counter()
+        extra: dict[str, Any] = {}
+        if (self.config.mode, item.kind) == ("exact", "gpt"):
+            arrays, epoch_plan = build_gpt_arrays(item.prefix, item.params, draws, compiled=self._compiled_walk)
+            extra["plan"] = plan_to_dict(epoch_plan)
+        elif (self.config.mode, item.kind) == ("exact", "blend"):
+            extra["threads"] = self._blend_threads()
+            arrays = build_blend_arrays(item.params, threads=extra["threads"])
+        elif item.kind == "gpt":
+            arrays, extra = build_stateless_gpt_arrays(item.prefix, item.params, compiled=self._compiled_walk)
+        else:
+            arrays = build_stateless_blend_arrays(item.params)
+        record = {
+            "kind": item.kind, "label": item.label, "split": item.split, "params": dict(item.params),
+            "num_samples": item.num_samples, "built_by": {"rank": self.rank, **host_record()},
+            "seconds": round(time.perf_counter() - started, 6),
+            "megatron_md5": None if item.megatron is None else item.megatron.md5, **extra,
+        }
+        return arrays, record
+
+    # -- 4. transfer ----------------------------------------------------------------------------
+    def _transfer(self, plan: BuildPlan, nodes: dict[int, int], present: dict[int, set],
+                  records: dict[str, dict]) -> None:
+        writers = sorted(present)
+        failure = None
+        packs = PackWriter(self.cache)
+        try:
+            for item in plan.items:
+                needing = [w for w in writers if item.key not in present[w]
+                           and not (item.key in records and nodes[plan.assignment[item.key]] == w)]
+                if not needing:
+                    continue
+                if item.key in plan.assignment:
+                    source = plan.assignment[item.key]
+                else:
+                    source = next(w for w in writers if item.key in present[w])
+                size_blob = blob = None
+                if self.rank == source:
+                    try:
+                        blob = pack_item(self.cache, item.key)
+                    except Exception as exc:
+                        failure = failure or failure_from(exc, rank=self.rank, phase="transfer", item=item.label)
+                        blob = b""
+                    size_blob = len(blob).to_bytes(8, "little")
+                try:
+                    size = int.from_bytes(self.group.broadcast_bytes(size_blob, source, 8), "little")
+                    data = self.group.broadcast_bytes(blob, source, size) if size else b""
+                except Exception as exc:
+                    raise BuildError(
+                        f"rank {self.rank}: the process group failed while receiving {item.label} from "
+                        f"rank {source} ({type(exc).__name__}: {exc}); a rank was killed or hung. Rerun "
+                        "the build: finished items are reused"
+                    ) from exc
+                if self.rank in needing and failure is None and size:
+                    try:
+                        unpack_item(packs, self.cache, item.key, data)
+                    except Exception as exc:
+                        failure = failure_from(exc, rank=self.rank, phase="transfer", item=item.label)
+        finally:
+            try:
+                packs.close()
+            except Exception as exc:
+                failure = failure or failure_from(exc, rank=self.rank, phase="transfer", item="publishing a pack")
+        agree(self.group, failure, phase="transfer")
+
+    # -- 5. finalize ----------------------------------------------------------------------------
+    def _finalize(self, plan: BuildPlan, infos, nodes, records) -> tuple[str, str | None]:
+        array_config = {name: value for name, value in self.config.to_dict().items() if name in ARRAY_FIELDS}
+        build_key = hash_key({
+            "format": CACHE_FORMAT_VERSION, "config": array_config,
+            "items": sorted(item.key for item in plan.items),
+            "splits": [[s.name, list(s.dataset_keys), s.blend_key] for s in plan.splits],
+        })
+        manifest_path = None
+        failure = None
+        if nodes[self.rank] == self.rank:
+            try:
+                manifest_path = self.cache.manifest_path(build_key)
+                if records or not os.path.isfile(manifest_path):  # a warm start keeps the manifest
+                    manifest_path = self._write_manifest(plan, infos, records, build_key, array_config)
+                if self.config.megatron_cache_dir is not None:
+                    for item in plan.items:
+                        export_megatron_item(self.cache, item, self.config.megatron_cache_dir)
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="finalize", item=None)
+        paths = agree(self.group, failure, phase="finalize", payload=manifest_path)
+        return build_key, paths[nodes[self.rank]]
+
+    def _write_manifest(self, plan, infos, records, build_key, array_config) -> str:
+        import tokenloom
+
+        entries = []
+        for item in plan.items:
+            record = self.cache.read_record(item.key)  # this node's copy (its own pack offsets)
+            entries.append({
+                "key": item.key, "kind": item.kind, "split": item.split, "label": item.label,
+                "pack": record["pack"], "files": record["files"], "built_this_run": item.key in records,
+                "built_by_rank": record["built_by"]["rank"], "seconds": record["seconds"],
+                "megatron_md5": record.get("megatron_md5"),
+            })
+        manifest = {
+            "format": "tokenloom-build-manifest", "version": CACHE_FORMAT_VERSION,
+            "build_key": build_key, "tokenloom_version": tokenloom.__version__,
+            "numpy_version": np.__version__, "python_version": platform.python_version(),
+            "created": host_record(), "world_size": self.world,
+            "config": self.config.to_dict(), "array_config_json": canonical_json(array_config),
+            "stores": {p: {"fingerprint": i.fingerprint.to_dict(), "num_sequences": i.num_sequences,
+                           "num_tokens": i.num_tokens} for p, i in infos.items()},
+            "splits": [{"name": s.name, "prefixes": list(s.prefixes), "dataset_keys": list(s.dataset_keys),
+                        "blend_key": s.blend_key, "num_samples": s.num_samples} for s in plan.splits],
+            "items": entries, "timings_rank0": dict(self.timings),
+        }
+        return self.cache.write_manifest(build_key, manifest)
+
+    def _split_weights(self, plan: BuildPlan) -> dict[str, tuple[float, ...]]:
+        out = {}
+        for split in plan.splits:
+            if split.blend_key is None:
+                out[split.name] = (1.0,)
+                continue
+            weights = np.asarray(plan.item(split.blend_key).params["weights"], dtype=np.float64)
+            out[split.name] = tuple((weights / weights.sum()).tolist())
+        return out
+
+
+class _BlendThread:
+    """Builds a rank's blend items on a thread while the main thread builds dataset items."""
+
+    def __init__(self, build: "_Build", items: list[WorkItem], packs, records, poller) -> None:
+        self.failure = None
+        self._thread = threading.Thread(target=self._run, args=(build, items, packs, records, poller),
+                                        name="tokenloom-blend", daemon=True)
+        self._thread.start()
+
+    def _run(self, build, items, packs, records, poller) -> None:
+        for item in items:
+            try:
+                if build.before_item is not None:
+                    build.before_item(item, build.rank)
+                build._build_and_queue(item, packs, records, poller, lambda: None)
+            except Exception as exc:
+                self.failure = failure_from(exc, rank=build.rank, phase="build", item=item.label)
+                return
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def _positions(item: WorkItem) -> int:
+    """Document positions of a ``gpt`` item."""
+    return item.epoch_plan.num_epochs * item.epoch_plan.num_documents
+
+
+class _ProgressPoller:
+    """Counts finished items for rank 0's progress callback: its own, and (with a shared
+    filesystem) those other ranks publish, by polling the cache every half second."""
+
+    def __init__(self, cache: Cache, keys: list[str], callback, *, poll: bool) -> None:
+        self.cache = cache
+        self.keys = keys
+        self.callback = callback
+        self.local: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = None
+        if callback is not None:
+            callback(0, len(keys))
+            if poll and keys:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="tokenloom-progress")
+                self._thread.start()
+
+    def _count(self) -> int:
+        return sum(1 for k in self.keys if k in self.local or self.cache.has(k))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.callback(self._count(), len(self.keys))
+
+    def done_locally(self, key: str) -> None:
+        if self.callback is None:
+            return
+        self.local.add(key)
+        if self._thread is None:
+            self.callback(len(self.local), len(self.keys))
+
+    def stop(self) -> None:
+        if self.callback is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.callback(len(self.keys), len(self.keys))
+
+
+__all__ = ["build"]
+

@@ -1,0 +1,90 @@
+"""Stateless-mode items: tokenloom's Feistel index and closed-form blend, no per-sample arrays.
+
+A ``gpt`` item stores what :func:`tokenloom.index.stateless.build_stateless_gpt_index` computes
+from the store: the block prefix sums (``block_token_starts``, 8 bytes per 16 documents per
+epoch) and the round keys of each epoch's document permutation; the record holds the epoch plan
+and the block size. Opening it rebuilds the :class:`StatelessGPTIndex` around memory maps of
+those two arrays and the store's lengths.
+
+A ``blend`` item is :class:`tokenloom.index.blend.Blend` (largest-remainder counts, closed-form
+order): it stores only its per-dataset counts; positions are located on demand.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from tokenloom.builder.exact import plan_from_dict, plan_to_dict
+from tokenloom.errors import BuildError
+from tokenloom.index.blend import Blend
+from tokenloom.index.feistel import resolve_backend
+from tokenloom.index.split import DocumentRange, document_ids
+from tokenloom.index.stateless import StatelessGPTIndex, build_stateless_gpt_index
+from tokenloom.io import IndexedDataset
+
+
+#: Documents below which the numpy kernels run (identical results; numba's compile costs more).
+SMALL_SPLIT_DOCUMENTS = 1 << 18
+
+
+def _backend(num_documents: int) -> str:
+    return "numpy" if num_documents < SMALL_SPLIT_DOCUMENTS else resolve_backend("auto")
+
+
+def build_stateless_gpt_arrays(prefix: str, params: Mapping[str, Any], *,
+                               compiled: bool | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and record fields of a stateless ``gpt`` item (``compiled``: use the numba
+    kernels; None decides by the item's size)."""
+    store = IndexedDataset(prefix)
+    index = build_stateless_gpt_index(
+        store.sequence_lengths, document_ids(DocumentRange(params["begin"], params["end"])),
+        num_samples=params["num_samples"], seq_length=params["seq_length"], seed=params["seed"],
+        add_extra_token=params["add_extra_token"],
+        backend=resolve_backend("auto") if compiled else _backend(params["end"] - params["begin"]))
+    if index.document_ids is not None:  # a split is always a contiguous range of documents
+        raise BuildError(f"{prefix}: documents {params['begin']}..{params['end']} did not form one range")
+    arrays = {"block_token_starts": index.block_token_starts, "document_keys": index.document_keys}
+    record = {"plan": plan_to_dict(index.plan), "block_size": index.block_size, "rounds": index.rounds,
+              "first_document_id": index.first_document_id}
+    return arrays, record
+
+
+def open_stateless_gpt_index(store: IndexedDataset, record: Mapping[str, Any], block_token_starts: np.ndarray,
+                             document_keys: np.ndarray) -> StatelessGPTIndex:
+    """Rebuild the index of a stateless ``gpt`` item around its memory-mapped arrays."""
+    return StatelessGPTIndex(
+        plan=plan_from_dict(record["plan"]), seed=int(record["params"]["seed"]),
+        block_size=int(record["block_size"]), rounds=record["rounds"],
+        backend=_backend(plan_from_dict(record["plan"]).num_documents),
+        sequence_lengths=store.sequence_lengths, document_ids=None,
+        first_document_id=int(record["first_document_id"]), block_token_starts=block_token_starts,
+        document_keys=np.asarray(document_keys))
+
+
+def stateless_blend(params: Mapping[str, Any]) -> Blend:
+    """The closed-form blend of a stateless ``blend`` item."""
+    return Blend(np.asarray(params["weights"], dtype=np.float64), int(params["size"]))
+
+
+def build_stateless_blend_arrays(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A stateless blend stores its counts (for reports and checks); lookups are closed-form."""
+    blend = stateless_blend(params)
+    over = np.flatnonzero(blend.counts > np.asarray(params["dataset_lengths"], dtype=np.int64))
+    if over.size:
+        d = int(over[0])
+        raise BuildError(f"the blend asks {int(blend.counts[d])} samples of dataset {d}, whose index holds "
+                         f"only {params['dataset_lengths'][d]}")
+    return {"counts": blend.counts}
+
+
+def read_stateless_samples(index: StatelessGPTIndex, store: IndexedDataset, sample_ids: np.ndarray) -> np.ndarray:
+    """``(B, seq_length + extra)`` int64 tokens of samples (served order) of a stateless index."""
+    spans = index.spans(np.asarray(sample_ids, dtype=np.int64))
+    tokens = store.read_spans(spans.document_ids, spans.offsets, spans.lengths)  # (B * width,)
+    return tokens.astype(np.int64).reshape(len(sample_ids), index.sample_token_count)
+
+
+__all__ = ["build_stateless_blend_arrays", "build_stateless_gpt_arrays", "open_stateless_gpt_index",
+           "read_stateless_samples", "stateless_blend"]

@@ -1,0 +1,55 @@
+"""The ``tokenloom`` command line: plan -> tokenize -> build -> serve.
+
+One module per command group, each with a ``register(subparsers)`` that adds its subcommands;
+they are the only places that know flag names. Library errors (TokenloomError) become one line on
+stderr and exit code 2; Ctrl-C exits 130. ``tokenloom``, ``python -m tokenloom`` and
+``python -m tokenloom.cli`` all run :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenloom import __version__
+from tokenloom.cli import builder, demo, planning, serving, stores, tokenization
+from tokenloom.errors import TokenloomError
+
+#: Command groups in the order ``--help`` lists them (the flow: plan -> tokenize -> build -> serve).
+COMMAND_GROUPS = (planning, tokenization, stores, builder, serving, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tokenloom`` parser with every command group's subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="tokenloom",
+        description="The data layer of LLM pretraining: plan -> tokenize -> build -> serve.",
+    )
+    parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for group in COMMAND_GROUPS:
+        group.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.run(args) or 0)
+    except TokenloomError as exc:
+        print(f"tokenloom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tokenloom {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMAND_GROUPS", "build_parser", "main"]

@@ -1,0 +1,123 @@
+"""``tokenloom build`` and ``tokenloom cache``: the command-line side of :mod:`tokenloom.build`.
+
+``tokenloom build CONFIG`` runs alone or under torchrun (each rank runs the same command); rank 0
+prints the plan, a progress bar and the summary. ``tokenloom cache verify DIR`` checks a cache
+against its manifests.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_build_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "build",
+        help="build (or reuse) every split's indices from a blend config, on one or many ranks",
+        description="Turn a build config (YAML or JSON, Megatron's vocabulary: blend or "
+        "blend_per_split, split, seq_length, seed, samples or train_iters x global_batch_size) into "
+        "ready indices for every split, cached. Runs alone or under torchrun: every rank builds part "
+        "of the work, and all ranks fail together if one fails.",
+    )
+    p.add_argument("config", metavar="CONFIG", help="build config file (.yaml/.yml or .json)")
+    p.add_argument("--cache", metavar="DIR", help="cache directory (overrides cache_dir in CONFIG)")
+    p.add_argument("--mode", choices=("exact", "stateless"),
+                   help="exact: megatron-core's arrays bit for bit; stateless: tokenloom's Feistel index")
+    p.add_argument("--no-shared-fs", action="store_true",
+                   help="ranks do not share the cache directory; results travel over the process group")
+    p.add_argument("--megatron-cache", metavar="DIR",
+                   help="also write megatron-core's cache files here (its path_to_cache), exact mode")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (items per rank, estimated seconds, memory, cache size) and stop")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="seconds a rank waits for the others before the build fails (default 1800)")
+    p.add_argument("--rng-workers", type=int, metavar="N",
+                   help="background processes drawing shuffles ahead (exact mode, default 1)")
+    p.add_argument("--blend-threads", type=int, metavar="N",
+                   help="threads of each exact blend (default 0: this rank's share of the host's cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_build)
+
+
+def run_build(args) -> int:
+    import tokenloom.builder as tb
+    from tokenloom.builder.items import format_plan
+
+    overrides = {
+        "cache_dir": args.cache, "mode": args.mode, "megatron_cache_dir": args.megatron_cache,
+        "timeout_s": args.timeout, "rng_workers": args.rng_workers, "blend_threads": args.blend_threads,
+    }
+    if args.no_shared_fs:
+        overrides["shared_fs"] = False
+    config = tb.load_build_config(args.config, **overrides)
+    bar = {}
+
+    def on_plan(plan, cached) -> None:
+        if args.dry_run:
+            print(format_plan(plan, done=cached))
+        else:
+            print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
+                  f"{len(plan.assignment)} to build on {plan.world_size} rank(s), "
+                  f"estimated {max(plan.seconds_per_rank(), default=0):.1f} s", file=sys.stderr)
+
+    def on_progress(done: int, total: int) -> None:
+        if args.no_progress or total == 0:
+            return
+        if "bar" not in bar:
+            from tqdm import tqdm
+
+            bar["bar"] = tqdm(total=total, unit="item", desc="build", file=sys.stderr)
+        progress = bar["bar"]
+        progress.update(done - progress.n)
+        if done >= total:
+            progress.close()
+
+    result = tb.build(config, dry_run=args.dry_run, on_plan=on_plan, on_progress=on_progress)
+    if args.dry_run or result.rank != 0:
+        return 0
+    for name, split in result.splits.items():
+        print(f"{name}: {split.num_samples:,} samples from {len(split.datasets)} dataset(s)")
+    built = len(result.built_keys)
+    print(f"build {result.build_key}: {len(result.plan.items)} items, {built} built, "
+          f"{len(result.plan.items) - built} reused; manifest {result.manifest_path}")
+    timings = "  ".join(f"{k[:-2]} {v:.2f}s" for k, v in result.timings.items())
+    print(f"timings (rank 0): {timings}")
+    return 0
+
+
+def add_cache_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "cache",
+        help="inspect a build cache",
+        description="Commands on a tokenloom build cache.",
+    )
+    commands = p.add_subparsers(dest="cache_command", metavar="COMMAND", required=True)
+    verify = commands.add_parser(
+        "verify",
+        help="check every cached file against its manifest",
+        description="Hash every file every manifest lists and compare sizes and SHA-256; name each "
+        "missing, truncated or changed file. Exit status 1 when anything is wrong.",
+    )
+    verify.add_argument("directory", metavar="DIR", help="the cache directory")
+    verify.set_defaults(run=run_cache)
+
+
+def run_cache(args) -> int:
+    from tokenloom.builder import verify_cache
+
+    report = verify_cache(args.directory)
+    for problem in report.problems:
+        print(problem)
+    status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"{report.root}: {report.manifests} manifest(s), {report.items} items, {report.files} files "
+          f"checked: {status}")
+    return 0 if report.ok else 1
+
+
+def register(subparsers) -> None:
+    """Add this group's subcommands."""
+    add_build_parser(subparsers)
+    add_cache_parser(subparsers)
+
+
+__all__ = ["add_build_parser", "add_cache_parser", "run_build", "run_cache", "register"]

@@ -1,0 +1,154 @@
+"""The ``tokenloom tokenize`` subcommand: flags in, :func:`tokenloom.tokenization.tokenize_to_store` out.
+
+``register(subparsers)`` adds it; the parsed namespace carries ``run=run_tokenize``. Library
+errors propagate to ``tokenloom.cli.main`` (one line, exit 2) with
+the flag that addresses them added here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+from tokenloom.errors import ConfigError, InputError
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
+
+
+def _byte_size(text: str) -> int:
+    """``1048576``, ``512K``, ``4M``, ``1GiB`` -> bytes."""
+    match = _SIZE.match(text)
+    if not match or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size like 1048576, 512K or 4M")
+    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2).lower()]
+
+
+def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``tokenize`` on ``subparsers`` and return its parser."""
+    p = subparsers.add_parser(
+        "tokenize",
+        help="tokenize JSONL / Parquet / text files into a token store",
+        description="Tokenize documents from JSONL, Parquet or text files (gzip/zstd compressed, "
+        "directories read recursively, glob patterns) in parallel into one Megatron .bin/.idx "
+        "token store, with a PREFIX.meta.json sidecar recording the tokenizer. The output is "
+        "byte-identical for any number of workers.",
+    )
+    p.set_defaults(run=run_tokenize)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or glob patterns (quote globs)")
+    p.add_argument("--output", "-o", required=True, metavar="PREFIX", help="store to write: PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    p.add_argument(
+        "--tokenizer", default="bytes", metavar="PATH",
+        help="'bytes' (built in: UTF-8 bytes 0-255, EOD 256; the default) or a HuggingFace tokenizer.json (or its directory)",
+    )
+    p.add_argument(
+        "--format", dest="input_format", choices=("auto", "jsonl", "parquet", "text"), default="auto",
+        help="input format; auto (default) goes by extension: .jsonl/.json/.ndjson, .parquet, .txt/.text/.md, plus .gz/.zst",
+    )
+    p.add_argument("--text-key", default="text", metavar="KEY", help="JSONL field with the text; a.b for nested objects (default: text)")
+    p.add_argument("--column", default="text", metavar="NAME", help="Parquet column with the text (default: text)")
+    p.add_argument("--lines", action="store_true", help="text files: one document per non-blank line (default: one per file)")
+    eod = p.add_mutually_exclusive_group()
+    eod.add_argument("--no-eod", action="store_true", help="do not append an end-of-document token")
+    eod.add_argument("--eod-id", type=int, metavar="ID", help="end-of-document id (default: the tokenizer's eos / <|endoftext|>)")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping at the first")
+    p.add_argument(
+        "--workers", type=int, default=None, metavar="N",
+        help=f"worker processes (default: one per core, here {os.cpu_count()}; 0 = in this process)",
+    )
+    p.add_argument("--chunk-size", type=_byte_size, default=1 << 20, metavar="BYTES", help="text per worker task, e.g. 512K, 4M (default 1M)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    return p
+
+
+class _ProgressBar:
+    """A tqdm bar over input bytes (so it has an ETA) showing documents/s and tokens/s."""
+
+    def __init__(self, total_bytes: int, *, disable: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+            desc="tokenize", disable=disable, dynamic_ncols=True,
+        )
+        self._started = time.perf_counter()
+        self.documents = self.tokens = 0
+
+    def __call__(self, documents: int, tokens: int, input_bytes: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        self._bar.set_postfix_str(
+            f"{self.documents / elapsed:,.0f} docs/s, {self.tokens / elapsed:,.0f} tok/s", refresh=False
+        )
+        self._bar.update(input_bytes)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
+def _format_summary(summary) -> str:
+    record = summary.tokenizer
+    lines = [
+        f"wrote {summary.prefix}.bin/.idx/.meta.json: {_count(summary.num_documents, 'document')}, "
+        f"{_count(summary.num_tokens, 'token')} from {_count(summary.num_files, 'file')} in {summary.elapsed_s:.1f} s "
+        f"({summary.documents_per_s:,.0f} docs/s, {summary.tokens_per_s:,.0f} tokens/s); "
+        f"tokenizer {record.name} (vocab {record.vocab_size:,}, "
+        + (f"EOD {record.eod_id} appended)" if record.append_eod else "no EOD appended)")
+    ]
+    if summary.num_skipped:
+        reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
+        lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")
+    if summary.num_empty:
+        lines.append(f"left out {_count(summary.num_empty, 'empty document')}")
+    return "\n".join(lines)
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    """Run ``tokenloom tokenize``; returns 0 (errors raise TokenloomError for cli.main)."""
+    from tokenloom.tokenization import TokenizeConfig, discover_inputs, tokenize_to_store
+
+    if args.workers is not None and args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: expected 0 or more")
+    config = TokenizeConfig(
+        tokenizer=args.tokenizer,
+        input_format=args.input_format,
+        text_key=args.text_key,
+        column=args.column,
+        lines=args.lines,
+        append_eod=not args.no_eod,
+        eod_id=args.eod_id,
+        skip_bad=args.skip_bad,
+        workers=args.workers,
+        chunk_bytes=args.chunk_size,
+    )
+    total_bytes = sum(f.size_bytes for f in discover_inputs(args.inputs, input_format=args.input_format))
+    bar = _ProgressBar(total_bytes, disable=args.quiet or not sys.stderr.isatty())
+    try:
+        summary = tokenize_to_store(args.inputs, args.output, config, progress=bar)
+    except ConfigError as exc:
+        if "end-of-document" in str(exc):
+            raise ConfigError(f"{exc} (--eod-id ID, or --no-eod)") from exc
+        raise
+    except InputError as exc:
+        if not args.skip_bad and re.match(r"^.+:(row )?\d+: ", str(exc)):
+            raise InputError(f"{exc} (--skip-bad skips and counts such records)") from exc
+        raise
+    finally:
+        bar.close()
+    print(_format_summary(summary))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add this group's subcommands."""
+    add_tokenize_parser(subparsers)
+
+
+__all__ = ["add_tokenize_parser", "run_tokenize", "register"]

@@ -1,0 +1,418 @@
+"""The tokenize pipeline: input files -> parallel workers -> one token store.
+
+The main process reads and decompresses the inputs into raw chunks of about
+``chunk_bytes`` and hands them, in input order, to a pool of worker processes; each worker
+parses its chunk (UTF-8, JSON, text key), encodes all its texts with one batch call of the
+tokenizer, appends the end-of-document id and returns one token array plus the document
+lengths. Results are written in submission order, so the store does not depend on the
+number of workers or on timing. At most ``2 * workers`` chunks are in flight, so memory
+stays bounded whatever the input size. Any error or interrupt aborts the writer: no store
+appears under the prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from tokenloom.errors import BuildError, ConfigError, InputError
+from tokenloom.io import IndexedDatasetWriter, dtype_for_vocab
+from tokenloom.tokenization.record import TokenizerRecord
+from tokenloom.tokenization.sources import (
+    BAD_RECORD_REASONS,
+    INPUT_FORMATS,
+    BadRecord,
+    InputFile,
+    RawChunk,
+    discover_inputs,
+    parse_chunk,
+    read_chunks,
+)
+from tokenloom.tokenization.tokenizers import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int, int], None]
+"""``progress(documents, tokens, input_bytes)``: increments since the previous call."""
+
+_MAX_LOGGED_BAD_RECORDS = 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizeConfig:
+    """How to turn text files into a token store."""
+
+    tokenizer: str = "bytes"
+    """``"bytes"`` (built in: UTF-8 bytes 0-255, end of document 256) or the path of a
+    HuggingFace ``tokenizer.json`` (or of its directory)."""
+
+    input_format: str = "auto"
+    """``"auto"`` (from each file's extension), ``"jsonl"``, ``"parquet"`` or ``"text"``."""
+
+    text_key: str = "text"
+    """JSONL field holding the text; ``"a.b"`` reaches into nested objects."""
+
+    column: str = "text"
+    """Parquet column holding the text."""
+
+    lines: bool = False
+    """Text files: one document per non-blank line instead of one per file."""
+
+    append_eod: bool = True
+    """Append the end-of-document id to every document."""
+
+    eod_id: int | None = None
+    """End-of-document id; None takes the tokenizer's own (see ``load_tokenizer``)."""
+
+    skip_bad: bool = False
+    """Skip (and count) unusable records instead of failing on the first one."""
+
+    workers: int | None = None
+    """Worker processes; None is one per CPU core, 0 encodes in the calling process."""
+
+    chunk_bytes: int = 1 << 20
+    """Text bytes per worker task; memory in flight is about ``2 * workers`` of them."""
+
+    def __post_init__(self) -> None:
+        if self.input_format not in INPUT_FORMATS:
+            raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
+        if not self.text_key or not self.column:
+            raise ConfigError(f"text_key {self.text_key!r} and column {self.column!r} must be non-empty")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 0):
+            raise ConfigError(f"workers {self.workers!r}, expected an int >= 0 or None (one per core)")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes {self.chunk_bytes!r}, expected a positive int (e.g. {1 << 20})")
+        if self.eod_id is not None and (not isinstance(self.eod_id, int) or self.eod_id < 0):
+            raise ConfigError(f"eod_id {self.eod_id!r}, expected a non-negative int or None")
+
+    @property
+    def num_workers(self) -> int:
+        """Resolved worker count (None -> the number of CPU cores)."""
+        return self.workers if self.workers is not None else (os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizeSummary:
+    """What a tokenize run wrote."""
+
+    prefix: str
+    """The store written: ``prefix.bin``, ``prefix.idx``, ``prefix.meta.json``."""
+
+    tokenizer: TokenizerRecord
+    num_files: int
+    num_documents: int
+    """Documents stored (one sequence each)."""
+
+    num_tokens: int
+    """Tokens stored, end-of-document ids included."""
+
+    num_empty: int
+    """Records whose text encoded to no token; not stored."""
+
+    skipped: Mapping[str, int]
+    """Bad records skipped, by reason (``BAD_RECORD_REASONS``); empty unless ``skip_bad``."""
+
+    elapsed_s: float
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    @property
+    def documents_per_s(self) -> float:
+        return self.num_documents / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+# -- worker side ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _EncodeJob:
+    """Everything a worker needs; sent once per worker at pool start."""
+
+    tokenizer: Tokenizer
+    text_key: str
+    append_eod: bool
+    eod_id: int | None
+    dtype: str
+    stop_at_bad: bool
+
+
+@dataclasses.dataclass(kw_only=True)
+class _EncodedBatch:
+    tokens: np.ndarray  # (num_tokens,) store dtype, EOD ids included
+    lengths: np.ndarray  # (num_documents,) int64
+    num_empty: int
+    skipped: dict[str, int]
+    bad_examples: list[str]
+    error: str | None = None
+
+
+_JOB: _EncodeJob | None = None
+
+
+def _init_worker(job: _EncodeJob) -> None:
+    global _JOB
+    # Parallelism comes from the processes; the tokenizer's own thread pool would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C is the main process's to handle: it aborts the writer and terminates the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _JOB = job
+
+
+def _encode_in_worker(chunks: list[RawChunk]) -> _EncodedBatch:
+    if _JOB is None:  # pragma: no cover - a programming error, not an input problem
+        raise RuntimeError("tokenize worker used before _init_worker")
+    return _encode_chunks(_JOB, chunks)
+
+
+def _unencodable(texts: list[str], numbers: list[tuple[str, int]]) -> list[BadRecord]:
+    """Texts that are not valid Unicode (lone surrogates from JSON ``\\ud800`` escapes)."""
+    bad = []
+    for text, (path, number) in zip(texts, numbers):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad.append(BadRecord(
+                path=path, line_number=number, reason="invalid_unicode",
+                message=f"{path}:{number}: text is not valid Unicode: lone surrogate "
+                f"U+{ord(text[exc.start]):04X} at character {exc.start} (a JSON \\u escape?)",
+            ))
+    return bad
+
+
+def _encode_texts(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]]):
+    """(tokens, lengths, bad records) for ``texts``; bad ones are left out of the result."""
+    try:
+        tokens, lengths = job.tokenizer.encode_batch(texts)
+        return tokens, lengths, []
+    except Exception as exc:
+        bad = _unencodable(texts, where)
+        if not bad:
+            raise BuildError(f"tokenizer {job.tokenizer!r} failed on a batch of {len(texts)} texts "
+                             f"starting at {where[0][0]}:{where[0][1]}: {exc}") from exc
+    rejected = {(b.path, b.line_number) for b in bad}
+    keep = [i for i, loc in enumerate(where) if loc not in rejected]
+    tokens, lengths = job.tokenizer.encode_batch([texts[i] for i in keep])
+    return tokens, lengths, bad
+
+
+def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
+    texts: list[str] = []
+    where: list[tuple[str, int]] = []
+    bad: list[BadRecord] = []
+    error: BadRecord | None = None
+    for chunk in chunks:
+        parsed = parse_chunk(chunk, text_key=job.text_key, first_bad_only=job.stop_at_bad)
+        texts.extend(parsed.texts)
+        where.extend((chunk.path, number) for number in parsed.line_numbers)
+        bad.extend(parsed.bad)
+        if parsed.bad and job.stop_at_bad:
+            error = parsed.bad[0]
+            break
+    if error is not None:
+        # A bad text earlier in input order is the one to report.
+        earlier = _unencodable(texts, where)
+        return _EncodedBatch(
+            tokens=np.zeros(0, job.dtype), lengths=np.zeros(0, np.int64), num_empty=0,
+            skipped={}, bad_examples=[], error=(earlier or [error])[0].message,
+        )
+    tokens, lengths, unencodable = _encode_texts(job, texts, where)
+    if unencodable and job.stop_at_bad:
+        return _EncodedBatch(
+            tokens=np.zeros(0, job.dtype), lengths=np.zeros(0, np.int64), num_empty=0,
+            skipped={}, bad_examples=[], error=unencodable[0].message,
+        )
+    bad.extend(unencodable)
+    empty = lengths == 0
+    num_empty = int(empty.sum())
+    if num_empty:
+        lengths = lengths[~empty]
+    if tokens.size:
+        vocab_size = job.tokenizer.vocab_size
+        if int(tokens.max()) >= vocab_size or int(tokens.min()) < 0:
+            raise BuildError(f"tokenizer {job.tokenizer!r} produced ids outside [0, {vocab_size})")
+    if job.append_eod and lengths.size:
+        # insert the EOD id after each document: tokens (T,) -> (T + num_documents,)
+        tokens = np.insert(tokens, np.cumsum(lengths), job.eod_id)
+        lengths = lengths + 1
+    skipped = collections.Counter(b.reason for b in bad)
+    return _EncodedBatch(
+        tokens=tokens.astype(job.dtype, copy=False),
+        lengths=lengths,
+        num_empty=num_empty,
+        skipped=dict(skipped),
+        bad_examples=[b.message for b in bad[:_MAX_LOGGED_BAD_RECORDS]],
+    )
+
+
+# -- main side ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    chunks: list[RawChunk]
+    input_bytes: int  # on-disk bytes consumed since the previous task (progress only)
+
+
+def _tasks(files: Sequence[InputFile], config: TokenizeConfig) -> Iterator[_Task]:
+    """Group the files' raw chunks, in input order, into tasks of at most about ``chunk_bytes``
+    (small chunks, e.g. one per short text file, share a task; a big one is a task alone)."""
+    batch: list[RawChunk] = []
+    batch_bytes = 0
+    consumed = 0  # bytes on disk of all earlier files
+    position = reported = 0  # bytes on disk read up to the batch's last chunk / reported so far
+    for source in files:
+        for chunk in read_chunks(source, lines=config.lines, column=config.column, chunk_bytes=config.chunk_bytes):
+            if batch and batch_bytes + chunk.num_bytes > config.chunk_bytes:
+                yield _Task(batch, position - reported)
+                reported = position
+                batch, batch_bytes = [], 0
+            batch.append(chunk)
+            batch_bytes += chunk.num_bytes
+            position = consumed + chunk.input_bytes_done
+        consumed += source.size_bytes
+    if batch or consumed > reported:
+        yield _Task(batch, consumed - reported)
+
+
+def _encode_ordered(job: _EncodeJob, tasks: Iterable[_Task], workers: int) -> Iterator[tuple[_EncodedBatch, _Task]]:
+    """Encode tasks in a pool of ``workers`` processes (0: inline); results in task order.
+
+    Input that fits in one task is encoded inline too: starting processes would cost more
+    than it saves. Either way the results are the same.
+    """
+    tasks = iter(tasks)
+    head = list(itertools.islice(tasks, 2))
+    if workers == 0 or len(head) < 2:
+        for task in itertools.chain(head, tasks):
+            yield _encode_chunks(job, task.chunks), task
+        return
+    tasks = itertools.chain(head, tasks)
+    # spawn: no inherited threads or locks (tqdm, the tokenizer's thread pool) in the workers.
+    # A worker that dies makes the executor raise BrokenProcessPool instead of hanging.
+    executor = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(job,)
+    )
+    try:
+        pending: collections.deque = collections.deque()
+        max_in_flight = 2 * workers
+        for task in tasks:
+            pending.append((executor.submit(_encode_in_worker, task.chunks), task))
+            if len(pending) >= max_in_flight:
+                future, done = pending.popleft()
+                yield future.result(), done
+        while pending:
+            future, done = pending.popleft()
+            yield future.result(), done
+    except BrokenProcessPool as exc:
+        raise BuildError(
+            f"a tokenize worker process died ({exc}); if this runs from an interactive session or "
+            "stdin, run it from a script or with workers=0"
+        ) from exc
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def tokenize_to_store(
+    inputs: Sequence[str] | str,
+    output_prefix: str,
+    config: TokenizeConfig = TokenizeConfig(),
+    *,
+    tokenizer: Tokenizer | None = None,
+    progress: ProgressCallback | None = None,
+) -> TokenizeSummary:
+    """Tokenize every document of ``inputs`` into the token store ``output_prefix``.
+
+    Args:
+        inputs: files, directories (read recursively) and glob patterns.
+        output_prefix: the store to write (``.bin``, ``.idx`` and ``.meta.json``).
+        config: reading, tokenizing and parallelism options.
+        tokenizer: an already loaded tokenizer; None loads ``config.tokenizer``.
+        progress: called after each written chunk with (documents, tokens, input bytes).
+
+    The output is byte-identical for any ``config.workers``. Raises InputError naming file
+    and line for a bad record (unless ``config.skip_bad``); on any error or interrupt the
+    store is not created.
+    """
+    started = time.perf_counter()
+    files = discover_inputs(inputs, input_format=config.input_format)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod)
+    if config.append_eod and tokenizer.eod_id is None:
+        raise ConfigError(f"tokenizer {tokenizer!r} has no end-of-document id; give one or do not append it")
+    record = tokenizer.record(append_eod=config.append_eod)
+    dtype = np.dtype(dtype_for_vocab(record.vocab_size))
+    job = _EncodeJob(
+        tokenizer=tokenizer,
+        text_key=config.text_key,
+        append_eod=config.append_eod,
+        eod_id=record.eod_id,
+        dtype=dtype.str,
+        stop_at_bad=not config.skip_bad,
+    )
+    workers = config.num_workers
+    logger.info("tokenizing %d input file(s) with %r and %d worker(s) into %s",
+                len(files), tokenizer, workers, output_prefix)
+    num_documents = num_tokens = num_empty = logged_bad = 0
+    skipped: collections.Counter = collections.Counter()
+    writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
+    try:
+        for batch, task in _encode_ordered(job, _tasks(files, config), workers):
+            if batch.error is not None:
+                raise InputError(batch.error)
+            writer.add_documents(batch.tokens, batch.lengths)
+            num_documents += int(batch.lengths.size)
+            num_tokens += int(batch.tokens.size)
+            num_empty += batch.num_empty
+            skipped.update(batch.skipped)
+            for message in batch.bad_examples[: max(0, _MAX_LOGGED_BAD_RECORDS - logged_bad)]:
+                logger.warning("skipped bad record: %s", message)
+                logged_bad += 1
+            if progress is not None:
+                progress(int(batch.lengths.size), int(batch.tokens.size), task.input_bytes)
+        metadata = {
+            "tokenizer": record.to_dict(),
+            "source": {
+                "inputs": [source.path for source in files],
+                "input_format": config.input_format,
+                "text_key": config.text_key,
+                "column": config.column,
+                "lines": config.lines,
+                "documents": num_documents,
+                "tokens": num_tokens,
+                "empty_documents": num_empty,
+                "skipped": {reason: skipped[reason] for reason in BAD_RECORD_REASONS if skipped[reason]},
+            },
+        }
+        writer.finalize(metadata)
+    except BaseException:
+        writer.abort()
+        raise
+    summary = TokenizeSummary(
+        prefix=writer.prefix,
+        tokenizer=record,
+        num_files=len(files),
+        num_documents=num_documents,
+        num_tokens=num_tokens,
+        num_empty=num_empty,
+        skipped=dict(metadata["source"]["skipped"]),
+        elapsed_s=time.perf_counter() - started,
+    )
+    logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
+                dict(summary.skipped))
+    return summary
+
+
+__all__ = ["ProgressCallback", "TokenizeConfig", "TokenizeSummary", "tokenize_to_store"]

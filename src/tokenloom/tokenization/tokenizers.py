@@ -1,0 +1,235 @@
+"""Tokenizers: the built-in byte tokenizer and any HuggingFace ``tokenizer.json``.
+
+Both turn a batch of strings into one concatenated id array plus per-text lengths, the
+shape the token store writer takes. ``load_tokenizer("bytes")`` needs nothing installed;
+``load_tokenizer("path/to/tokenizer.json")`` needs the ``tokenizers`` library
+(``pip install 'tokenloom[tokenizers]'``). Tokenizer objects pickle, so worker processes
+receive them whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.tokenization.record import TokenizerRecord
+
+BYTE_VOCAB_SIZE = 257
+"""Ids 0-255 are the UTF-8 bytes, 256 is the end-of-document id."""
+
+BYTE_EOD_ID = 256
+
+EOD_TOKEN_CANDIDATES = (
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<eos>",
+    "<|eos|>",
+    "[EOS]",
+    "<EOS>",
+    "<|im_end|>",
+)
+"""Special tokens tried, in order, as the end-of-document id of a HuggingFace tokenizer
+whose directory has no ``tokenizer_config.json`` naming its ``eos_token``."""
+
+
+class Tokenizer(Protocol):
+    """What the pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    eod_id: int | None
+
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Encode texts; return (tokens (T,) int64 concatenated, lengths (len(texts),) int64)."""
+        ...
+
+    def record(self, *, append_eod: bool) -> TokenizerRecord:
+        """The sidecar record describing this tokenizer."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255, end of document 256; vocab_size 257. Needs no files."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+    eod_id: int | None = BYTE_EOD_ID
+
+    def __init__(self, *, eod_id: int | None = None) -> None:
+        if eod_id is not None and eod_id != BYTE_EOD_ID:
+            raise ConfigError(
+                f"the byte tokenizer's end-of-document id is fixed at {BYTE_EOD_ID}, got {eod_id}"
+            )
+
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        encoded = [text.encode("utf-8") for text in texts]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        # tokens: (sum(lengths),) int64 byte values
+        tokens = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int64)
+        return tokens, lengths
+
+    def record(self, *, append_eod: bool) -> TokenizerRecord:
+        return TokenizerRecord(
+            kind="bytes",
+            name="bytes",
+            path=None,
+            sha256=None,
+            vocab_size=self.vocab_size,
+            eod_id=self.eod_id,
+            append_eod=append_eod,
+        )
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def _require_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ConfigError(
+            "a HuggingFace tokenizer.json needs the 'tokenizers' library; "
+            "install it with: pip install 'tokenloom[tokenizers]'"
+        ) from exc
+    return tokenizers
+
+
+def _resolve_tokenizer_json(path: str) -> str:
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(candidate):
+            raise ConfigError(f"{path}: directory has no tokenizer.json; pass the file itself")
+        return os.path.abspath(candidate)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"tokenizer {path!r}: no such file; expected 'bytes' or the path of a "
+            "HuggingFace tokenizer.json (or its directory)"
+        )
+    return os.path.abspath(path)
+
+
+def _eos_from_tokenizer_config(json_path: str) -> str | None:
+    """The ``eos_token`` named by a ``tokenizer_config.json`` beside the tokenizer, if any."""
+    config_path = os.path.join(os.path.dirname(json_path), "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+class HuggingFaceTokenizer:
+    """A HuggingFace ``tokenizers`` tokenizer loaded from ``tokenizer.json``.
+
+    Args:
+        path: the tokenizer.json, or a directory holding one.
+        eod_id: end-of-document id; None finds it from ``tokenizer_config.json``'s
+            ``eos_token`` or from the special tokens in ``EOD_TOKEN_CANDIDATES``.
+        require_eod: raise ConfigError when no end-of-document id can be found.
+
+    Texts are encoded without the post-processor's special tokens (no BOS/CLS); the
+    pipeline appends the end-of-document id itself.
+    """
+
+    def __init__(self, path: str, *, eod_id: int | None = None, require_eod: bool = True) -> None:
+        tokenizers = _require_tokenizers()
+        self.path = _resolve_tokenizer_json(os.fspath(path))
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as exc:
+            raise ConfigError(f"{self.path}: not a loadable HuggingFace tokenizer.json: {exc}") from exc
+        self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+        parent = os.path.basename(os.path.dirname(self.path))
+        self.name = parent or os.path.basename(self.path)
+        self.eod_id = self._find_eod_id(eod_id, require_eod)
+
+    def _find_eod_id(self, eod_id: int | None, require_eod: bool) -> int | None:
+        if eod_id is not None:
+            if not isinstance(eod_id, int) or not 0 <= eod_id < self.vocab_size:
+                raise ConfigError(
+                    f"{self.path}: end-of-document id {eod_id!r} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            return eod_id
+        named = _eos_from_tokenizer_config(self.path)
+        for token in ((named,) if named else ()) + EOD_TOKEN_CANDIDATES:
+            found = self._tokenizer.token_to_id(token)
+            if found is not None:
+                return int(found)
+        if require_eod:
+            raise ConfigError(
+                f"{self.path}: cannot tell the end-of-document token: no tokenizer_config.json "
+                f"eos_token and none of {list(EOD_TOKEN_CANDIDATES)} is in the vocabulary; "
+                "give the id explicitly, or do not append one"
+            )
+        return None
+
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we do not need
+        encode = getattr(self._tokenizer, "encode_batch_fast", None) or self._tokenizer.encode_batch
+        encodings = encode(list(texts), add_special_tokens=False)
+        ids = [encoding.ids for encoding in encodings]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        # tokens: (total,) int64, the documents' ids back to back
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+        return tokens, lengths
+
+    def record(self, *, append_eod: bool) -> TokenizerRecord:
+        return TokenizerRecord(
+            kind="huggingface",
+            name=self.name,
+            path=self.path,
+            sha256=self.sha256,
+            vocab_size=self.vocab_size,
+            eod_id=self.eod_id,
+            append_eod=append_eod,
+        )
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+TOKENIZERS: dict[str, Callable[..., Tokenizer]] = {
+    "bytes": lambda spec, *, eod_id=None, require_eod=True: ByteTokenizer(eod_id=eod_id),
+    "huggingface": lambda spec, *, eod_id=None, require_eod=True: HuggingFaceTokenizer(
+        spec, eod_id=eod_id, require_eod=require_eod
+    ),
+}
+"""Tokenizer kind -> factory(spec, eod_id=..., require_eod=...)."""
+
+
+def tokenizer_kind(spec: str) -> str:
+    """``"bytes"`` for the built-in tokenizer, ``"huggingface"`` for anything else (a path)."""
+    return "bytes" if spec == "bytes" else "huggingface"
+
+
+def load_tokenizer(spec: str = "bytes", *, eod_id: int | None = None, require_eod: bool = True) -> Tokenizer:
+    """Load ``"bytes"`` or a HuggingFace tokenizer.json path (see ``HuggingFaceTokenizer``)."""
+    return TOKENIZERS[tokenizer_kind(spec)](spec, eod_id=eod_id, require_eod=require_eod)
+
+
+__all__ = [
+    "BYTE_EOD_ID",
+    "BYTE_VOCAB_SIZE",
+    "EOD_TOKEN_CANDIDATES",
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "TOKENIZERS",
+    "Tokenizer",
+    "load_tokenizer",
+    "tokenizer_kind",
+]

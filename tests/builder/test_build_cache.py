@@ -1,0 +1,303 @@
+"""Single-process builds: reuse, invalidation, atomic layout, verification, concurrent builders,
+the plan's assignment."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from build_fixtures import blend_config, cache_files, make_stores, write_store  # noqa: E402
+
+import tokenloom.builder as tb  # noqa: E402
+from tokenloom.builder.cache import write_npy  # noqa: E402
+from tokenloom.builder.items import assign_lpt, plan_build, ranges_for  # noqa: E402
+from tokenloom.builder.stores import fingerprint_store  # noqa: E402
+from tokenloom.errors import BuildError, ConfigError  # noqa: E402
+from tokenloom.index.megatron_gpt import build_megatron_gpt_indices  # noqa: E402
+from tokenloom.index.split import document_ids, split_document_ranges  # noqa: E402
+
+
+@pytest.fixture()
+def stores(tmp_path):
+    return make_stores(tmp_path / "stores")
+
+
+def test_build_matches_the_index_kernels_and_reuses_its_cache(stores, tmp_path):
+    config = blend_config(stores, tmp_path / "cache", blend=stores[:1], train_samples=500)
+    first = tb.build(config)
+    train = first.split("train")
+    store = train.dataset_indices[0].store
+    doc_range = split_document_ranges("90,8,2", store.num_sequences).train
+    expected = build_megatron_gpt_indices(store.sequence_lengths, document_ids(doc_range),
+                                          num_samples=500, seq_length=64, seed=1234)
+    got = train.dataset_indices[0].indices
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        assert np.array_equal(getattr(got, name), getattr(expected, name))
+        assert getattr(got, name).dtype == getattr(expected, name).dtype
+        assert isinstance(getattr(got, name), np.memmap)  # opened by mmap, not loaded
+    assert train.num_samples == expected.num_samples >= 500  # megatron-core: whole epochs
+    second = tb.build(config)
+    assert second.built_keys == frozenset() and first.built_keys
+    assert second.build_key == first.build_key
+    assert np.array_equal(second.split("valid")[3], first.split("valid")[3])
+
+
+def test_blend_threads_change_nothing_in_the_cache(stores, tmp_path, monkeypatch):
+    # tiny chunks, so the blend of 3000 samples really runs in three chunks from guessed states
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("tokenloom.index.megatron_blend"), "_MIN_CHUNK", 64)
+    one = tb.build(blend_config(stores, tmp_path / "one", blend_threads=1))
+    three = tb.build(blend_config(stores, tmp_path / "three", blend_threads=3))
+    assert one.build_key == three.build_key  # blend_threads is not a parameter of the arrays
+    blends = [item.key for item in three.plan.items if item.kind == "blend"]
+    assert [one.cache.read_record(key)["threads"] for key in blends] == [1] * len(blends)
+    assert [three.cache.read_record(key)["threads"] for key in blends] == [3] * len(blends)
+    assert cache_files(tmp_path / "one") == cache_files(tmp_path / "three")
+    with pytest.raises(ConfigError, match="blend_threads"):
+        tb.build(blend_config(stores, tmp_path / "bad", blend_threads=-1))
+
+
+def test_npy_files_are_what_numpy_save_writes(tmp_path):
+    for array in (np.arange(10, dtype=np.int32), np.zeros((5, 2), np.int64), np.arange(7, dtype=np.uint32),
+                  np.zeros(0, np.int16)):
+        meta = write_npy(str(tmp_path / "a.npy"), array)
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        data = (tmp_path / "a.npy").read_bytes()
+        assert data == buffer.getvalue()
+        assert meta["bytes"] == len(data)
+
+
+def test_a_changed_store_invalidates_only_its_items(stores, tmp_path):
+    config = blend_config(stores, tmp_path / "cache")
+    before = tb.build(config)
+    old = before.split("train").dataset_indices[1].key
+    write_store(stores[1], 400 + 97, seed=99)  # same name and size class, other lengths
+    after = tb.build(config)
+    rebuilt = after.built_keys
+    assert old not in {d.key for d in after.split("train").dataset_indices}
+    untouched = {d.key for n in ("train", "valid", "test") for d in after.split(n).dataset_indices
+                 if d.prefix != stores[1]}
+    assert not untouched & rebuilt  # other stores' items were reused
+    fresh = tb.build(blend_config(stores, tmp_path / "fresh"))
+    assert cache_files(tmp_path / "fresh").items() <= cache_files(tmp_path / "cache").items()
+    assert np.array_equal(after.split("train")[5], fresh.split("train")[5])
+
+
+def test_touching_a_store_changes_its_fingerprint(stores):
+    config = tb.BuildConfig(**{k: v for k, v in blend_config(stores, "/unused").items()})
+    before = fingerprint_store(stores[0], ranges_for(config, stores[0]))
+    stat = os.stat(stores[0] + ".idx")
+    os.utime(stores[0] + ".idx", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    after = fingerprint_store(stores[0], ranges_for(config, stores[0]))
+    assert before.fingerprint.idx_sha256 == after.fingerprint.idx_sha256
+    assert before.fingerprint != after.fingerprint
+
+
+def test_add_extra_token_changes_tokenloom_keys_but_not_megatron_names(stores, tmp_path):
+    base = tb.build(blend_config(stores, tmp_path / "c"), dry_run=True)
+    flipped = tb.build(blend_config(stores, tmp_path / "c", add_extra_token=False), dry_run=True)
+    gpt = lambda plan: {i.megatron.md5: i.key for i in plan.items if i.kind == "gpt"}  # noqa: E731
+    base_names, flipped_names = gpt(base), gpt(flipped)
+    # megatron-core names both builds' files alike: its cache would serve stale arrays
+    assert base_names.keys() == flipped_names.keys()
+    assert not set(base_names.values()) & set(flipped_names.values())
+
+
+def test_dry_run_writes_nothing_and_reports_the_plan(stores, tmp_path):
+    seen = {}
+    plan = tb.build(blend_config(stores, tmp_path / "cache"), dry_run=True,
+                    on_plan=lambda p, done: seen.update(plan=p, done=done))
+    assert not os.path.exists(tmp_path / "cache" / "items")
+    assert seen["plan"] is plan and seen["done"] == frozenset()
+    text = tb.format_plan(plan)
+    assert "12 items (9 dataset indices, 3 blends)" in text
+    assert "cache size" in text and "slowest rank" in text
+
+
+def test_verify_names_a_changed_array_and_a_truncated_pack(stores, tmp_path):
+    from tokenloom.builder.cache import Cache
+
+    cache_dir = tmp_path / "cache"
+    result = tb.build(blend_config(stores, cache_dir))
+    assert tb.verify_cache(str(cache_dir)).ok
+    cache = Cache(str(cache_dir))
+    key = result.split("train").dataset_indices[0].key
+    pack, entry = cache.locate(key, "shuffle_index")
+    with open(pack, "r+b") as f:  # flip the last byte of one array
+        f.seek(entry["offset"] + entry["bytes"] - 1)
+        last = f.read(1)
+        f.seek(entry["offset"] + entry["bytes"] - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    report = tb.verify_cache(str(cache_dir))
+    assert not report.ok and len(report.problems) == 1
+    assert f"shuffle_index.npy of item {key}" in report.problems[0] and "SHA-256" in report.problems[0]
+    with open(pack, "r+b") as f:
+        f.truncate(entry["offset"] + 10)
+    report = tb.verify_cache(str(cache_dir))
+    assert any("truncated" in p for p in report.problems)
+
+
+def test_manifest_records_versions_keys_files_and_timings(stores, tmp_path):
+    result = tb.build(blend_config(stores, tmp_path / "cache"))
+    manifest = json.loads(open(result.manifest_path).read())
+    assert manifest["build_key"] == result.build_key
+    assert {"tokenloom_version", "numpy_version", "stores", "items", "timings_rank0"} <= set(manifest)
+    assert len(manifest["items"]) == len(result.plan.items)
+    assert all(entry["files"] and entry["built_this_run"] for entry in manifest["items"])
+    assert set(manifest["stores"]) == set(stores)
+    assert not os.listdir(tmp_path / "cache" / "tmp")  # nothing half-written left behind
+    packs = os.listdir(tmp_path / "cache" / "packs")
+    assert len(packs) == 2  # one pack (data + index) holds every item of this one-rank build
+
+
+def test_an_item_failure_is_a_build_error_naming_the_item(stores, tmp_path):
+    def fail_blend(item, rank):
+        if item.kind == "blend" and item.split == "valid":
+            raise OSError("disk full")
+
+    with pytest.raises(BuildError, match=r"rank 0 failed in build while building blend valid .*disk full"):
+        tb.build(blend_config(stores, tmp_path / "cache"), _before_item=fail_blend)
+    rerun = tb.build(blend_config(stores, tmp_path / "cache"))
+    assert len(rerun.built_keys) < len(rerun.plan.items)
+
+
+def test_a_missing_store_is_named(tmp_path, stores):
+    with pytest.raises(BuildError, match="store .*nope"):
+        tb.build(blend_config([stores[0], str(tmp_path / "nope")], tmp_path / "cache"))
+
+
+def test_oversampling_raises_like_megatron():
+    from tokenloom.builder.exact import build_blend_arrays
+
+    params = {"weights": [0.5, 0.5], "size": 10, "dataset_lengths": [3, 10]}
+    with pytest.raises(BuildError, match="asks 5 samples of dataset 0, whose index holds only 3"):
+        build_blend_arrays(params)
+    arrays = build_blend_arrays({**params, "dataset_lengths": [5, 5]})
+    assert np.bincount(arrays["dataset_index"]).tolist() == [5, 5]
+
+
+_CONCURRENT = """
+import sys, json
+sys.path.insert(0, {src!r})
+import tokenloom.builder as tb
+result = tb.build(json.loads({config!r}))
+print(json.dumps(sorted(result.built_keys)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_two_concurrent_builders_share_one_cache_correctly(stores, tmp_path):
+    config = blend_config(stores, tmp_path / "cache", train_samples=20000, rng_workers=0)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    script = _CONCURRENT.format(src=os.path.abspath(src), config=json.dumps(config))
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=110) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outputs]
+    built = [set(json.loads(o[0].decode().strip().splitlines()[-1])) for o in outputs]
+    total = len(tb.build(config, dry_run=True).items)
+    # Every item was built, and mostly by one job only (the other waited on its lock and reused
+    # it); where the two jobs' lock waits form a cycle the kernel refuses the wait and both build
+    # the item -- which must still leave exactly the files a lone build writes (checked below).
+    assert len(built[0] | built[1]) == total
+    assert len(built[0] & built[1]) < total
+    assert tb.verify_cache(str(tmp_path / "cache")).ok
+    tb.build(blend_config(stores, tmp_path / "alone", train_samples=20000))
+    assert cache_files(tmp_path / "cache") == cache_files(tmp_path / "alone")
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, tokenloom, tokenloom.builder, tokenloom.cli.builder; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _lpt_reference(costs, world):
+    loads = [0.0] * world
+    for cost in sorted(costs, reverse=True):
+        loads[loads.index(min(loads))] += cost
+    return loads
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.001, 100.0), min_size=1, max_size=40), st.integers(1, 8))
+def test_lpt_assignment_is_balanced(costs, world):
+    from tokenloom.builder.items import WorkItem
+
+    items = [WorkItem(kind="gpt", key=f"{i:04d}", split="train", label=str(i), params={}, num_samples=1,
+                      output_bytes=1, cost_s=c) for i, c in enumerate(costs)]
+    assignment = assign_lpt(items, world)
+    loads = [0.0] * world
+    for item in items:
+        loads[assignment[item.key]] += item.cost_s
+    assert sorted(loads) == pytest.approx(sorted(_lpt_reference(costs, world)))
+    # the least-loaded rule never exceeds the mean load plus one item (Graham)
+    assert max(loads) <= sum(costs) / world + max(costs) + 1e-9
+
+
+def test_world_size_is_checked(stores, tmp_path):
+    config = tb.BuildConfig(**blend_config(stores, tmp_path))
+    with pytest.raises(ConfigError, match="world_size"):
+        plan_build(config, {}, 0)
+
+
+def test_stateless_mode_serves_the_stateless_index_and_exact_counts(stores, tmp_path):
+    from tokenloom.index.blend import largest_remainder_counts
+    from tokenloom.index.stateless import build_stateless_gpt_index
+
+    result = tb.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
+    train = result.split("train")
+    assert train.num_samples == 3000  # exactly the samples asked for, no surplus
+    dataset_ids, sample_ids = train.locate(np.arange(train.num_samples))
+    assert np.bincount(dataset_ids).tolist() == largest_remainder_counts(np.array([0.3, 0.5, 0.2]), 3000).tolist()
+    for d, dataset in enumerate(train.dataset_indices):
+        store = dataset.store
+        doc_range = split_document_ranges("90,8,2", store.num_sequences).train
+        wanted = int(np.sum(dataset_ids == d))
+        direct = build_stateless_gpt_index(store.sequence_lengths, document_ids(doc_range), num_samples=wanted,
+                                           seq_length=64, seed=1234)
+        picks = sample_ids[dataset_ids == d][:5]
+        got = train.read_samples(np.full(len(picks), d), picks)
+        for row, sample in zip(got, picks):
+            assert np.array_equal(row, direct.read(store, int(sample)))
+    exact = tb.build(blend_config(stores, tmp_path / "exact"))
+    stateless_bytes = sum(len(v) for v in cache_files(tmp_path / "cache").values())
+    exact_bytes = sum(len(v) for v in cache_files(tmp_path / "exact").values())
+    assert stateless_bytes * 4 < exact_bytes
+    assert exact.build_key != result.build_key
+
+
+def test_build_is_a_function_of_the_package(stores, tmp_path):
+    import tokenloom
+
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache"), dry_run=True)
+    assert isinstance(result, tb.BuildPlan)
+
+
+@pytest.mark.timeout(120)
+def test_background_shuffle_draws_equal_inline_draws(stores, tmp_path):
+    from tokenloom.builder.exact import ShuffleDrawer, build_gpt_arrays
+
+    plan = tb.build(blend_config(stores, tmp_path / "cache"), dry_run=True)
+    jobs = [(item.prefix, dict(item.params)) for item in plan.items if item.kind == "gpt"][:4]
+    drawer = ShuffleDrawer(jobs, workers=1)  # a separate process, two items ahead
+    try:
+        for index, (prefix, params) in enumerate(jobs):
+            background, _ = build_gpt_arrays(prefix, params, drawer.get(index))
+            inline, _ = build_gpt_arrays(prefix, params)
+            for name in inline:
+                assert np.array_equal(background[name], inline[name])
+                assert background[name].dtype == inline[name].dtype
+    finally:
+        drawer.close()
