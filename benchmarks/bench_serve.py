@@ -82,7 +82,7 @@ def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, re
 
 def bench_throughput(args, prefixes, directory) -> list[dict]:
     from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, StoreBlendSource
-    from tokenloom.serve.stateless_source import StatelessBlendSource
+    from tokenloom.source.memory_stateless import StatelessBlendSource
 
     weights = [0.5, 0.3, 0.2][: len(prefixes)]
     n, seq = args.samples, args.seq_length
@@ -144,7 +144,7 @@ def _memory() -> dict:
 def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None:
     """Run in a fresh process: build one split in memory, serve 100 micro-batches, print memory."""
     from tokenloom.serve import BatchGeometry, RankLoader, StoreBlendSource
-    from tokenloom.serve.stateless_source import StatelessBlendSource
+    from tokenloom.source.memory_stateless import StatelessBlendSource
 
     num_samples = 100 * micro_batch
     start = time.perf_counter()

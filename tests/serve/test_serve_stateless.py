@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from serve_fixtures import write_corpus
 
 from tokenloom.serve import BatchGeometry, RankLoader, SampleSource, StoreBlendSource, Topology
-from tokenloom.serve.stateless_source import StatelessBlendSource
+from tokenloom.source.memory_stateless import StatelessBlendSource
 
 
 @pytest.fixture(scope="module")

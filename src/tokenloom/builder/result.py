@@ -1,7 +1,7 @@
 """What a build hands the serving stage: every split's indices, opened by mmap.
 
 ``BuildResult.split("train")`` returns a :class:`BuiltSplit`, which implements
-:class:`tokenloom.serve.source.SampleSource`: ``locate(positions)`` gives ``(dataset_ids,
+:class:`tokenloom.source.protocol.SampleSource`: ``locate(positions)`` gives ``(dataset_ids,
 sample_ids)`` and ``read_samples`` their tokens, exactly as megatron-core's ``BlendedDataset``
 (exact mode) would serve them. Nothing is copied into memory: the arrays are read-only memory
 maps of the cache files, so every rank of a job can open the same build cheaply.
@@ -22,7 +22,7 @@ from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.io import IndexedDataset
-from tokenloom.serve.source import DatasetInfo, SourceFields, gather_gpt_samples, read_by_dataset, resolve_eod
+from tokenloom.source.protocol import DatasetInfo, SourceFields, gather_gpt_samples, read_by_dataset, resolve_eod
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

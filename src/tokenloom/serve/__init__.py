@@ -8,20 +8,22 @@ with megatron-core's fields. The PyTorch and JAX adapters (``tokenloom.serve.tor
 neither.
 """
 
-from tokenloom.serve.audit import MixtureAudit, batch_fingerprint, read_audit_log, summarize_audit
+from tokenloom.serve.audit import (
+    MixtureAudit,
+    batch_fingerprint,
+    read_audit_log,
+    summarize_audit,
+)
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader, read_batch
-from tokenloom.serve.sampler import SCHEMA_VERSION, STATE_FORMAT, MicroBatchSampler, check_state
-from tokenloom.serve.samples import SampleOptions, build_fields
-from tokenloom.serve.source import (
-    DatasetInfo,
-    SampleSource,
-    StoreBlendSource,
-    gather_gpt_samples,
-    read_positions,
+from tokenloom.serve.sampler import (
+    SCHEMA_VERSION,
+    STATE_FORMAT,
+    MicroBatchSampler,
+    check_state,
 )
+from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.simulate import JobReport, simulate_job
-from tokenloom.serve.stateless_source import StatelessBlendSource
 from tokenloom.serve.stream import BlendSegment, SampleStream
 from tokenloom.serve.topology import (
     LoadMode,
@@ -30,6 +32,14 @@ from tokenloom.serve.topology import (
     Topology,
     context_parallel_positions,
     context_parallel_slice,
+)
+from tokenloom.source import (
+    DatasetInfo,
+    SampleSource,
+    StatelessBlendSource,
+    StoreBlendSource,
+    gather_gpt_samples,
+    read_positions,
 )
 
 __all__ = [

@@ -27,7 +27,7 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.samples import SampleOptions
-from tokenloom.serve.source import SampleSource
+from tokenloom.source import SampleSource
 from tokenloom.serve.topology import Topology
 
 

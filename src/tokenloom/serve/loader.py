@@ -7,7 +7,7 @@
     state = loader.state_dict()   # the same on every rank; resume on any layout
 
 Reads are vectorised: one ``read_samples`` call per micro-batch, one gather per dataset in it
-(a compiled copy from the memory map, or ``read_spans``; see ``tokenloom.serve._gather``).
+(a compiled copy from the memory map, or ``read_spans``; see ``tokenloom.source.gather``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.sampler import MicroBatchSampler
-from tokenloom.serve.source import SampleSource
+from tokenloom.source import SampleSource
 from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.topology import LoadMode, Topology, context_parallel_slice
 

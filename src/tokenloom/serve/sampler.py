@@ -13,7 +13,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.serve.source import SampleSource
+from tokenloom.source import SampleSource
 from tokenloom.serve.stream import BlendSegment, SampleStream
 
 STATE_FORMAT = "tokenloom-serve-state"

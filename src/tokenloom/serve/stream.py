@@ -22,7 +22,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend import Blend, largest_remainder_counts
-from tokenloom.serve.source import SampleSource
+from tokenloom.source import SampleSource
 
 _COUNT_CHUNK = 1 << 22
 

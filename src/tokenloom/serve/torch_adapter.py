@@ -30,7 +30,7 @@ from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import check_eod
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.samples import SampleOptions, build_fields
-from tokenloom.serve.source import SampleSource
+from tokenloom.source import SampleSource
 from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.topology import LoadMode, RankPlan, Topology, context_parallel_slice
 

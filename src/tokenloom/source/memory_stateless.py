@@ -4,7 +4,7 @@ Each dataset is a :class:`~tokenloom.index.stateless.StatelessGPTIndex` (Megatro
 samples, Feistel-shuffled, 8 / block_size bytes per document per epoch) and the blend a
 :class:`~tokenloom.index.blend.Blend` read by lookup (O(datasets) memory). Nothing grows with the
 number of samples; the token stores are memory maps. Not megatron-exact: use
-:class:`~tokenloom.serve.source.StoreBlendSource` (or an exact build) for that.
+:class:`~tokenloom.source.protocol.StoreBlendSource` (or an exact build) for that.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from tokenloom.index.blend import Blend
 from tokenloom.index.split import split_document_ranges
 from tokenloom.index.stateless import DEFAULT_BLOCK_SIZE, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
-from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
-from tokenloom.serve.source import DatasetInfo, SourceFields, check_blend_arguments, read_by_dataset, resolve_eod
+from tokenloom.source.gather import GATHER_BACKENDS, default_backend
+from tokenloom.source.protocol import DatasetInfo, SourceFields, check_blend_arguments, read_by_dataset, resolve_eod
 
 
 class StatelessBlendSource(SourceFields):
-    """A :class:`~tokenloom.serve.source.SampleSource` over stateless indices and a lookup blend."""
+    """A :class:`~tokenloom.source.protocol.SampleSource` over stateless indices and a lookup blend."""
 
     def __init__(self, *, stores: Sequence[IndexedDataset], indices: Sequence[StatelessGPTIndex], blend: Blend,
                  infos: Sequence[DatasetInfo], seq_length: int, add_extra_token: bool, build_key: str) -> None:
@@ -34,7 +34,7 @@ class StatelessBlendSource(SourceFields):
         self._seq_length, self._add_extra_token, self._build_key = int(seq_length), bool(add_extra_token), build_key
         self._pad_id = -1  # stateless samples are whole windows of tokens: nothing is padded
         self.backend = default_backend()
-        """Gather kernel (a key of ``tokenloom.serve._gather.GATHER_BACKENDS``)."""
+        """Gather kernel (a key of ``tokenloom.source.gather.GATHER_BACKENDS``)."""
 
     @classmethod
     def from_prefixes(cls, prefixes: Sequence[str], weights: Sequence[float] | None = None, *, num_samples: int,

@@ -29,7 +29,7 @@ from tokenloom.index.megatron_blend import megatron_blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices, build_megatron_gpt_indices
 from tokenloom.index.split import SPLIT_NAMES, document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset
-from tokenloom.serve._gather import GATHER_BACKENDS, default_backend
+from tokenloom.source.gather import GATHER_BACKENDS, default_backend
 
 MEGATRON_SURPLUS = DEFAULT_SURPLUS
 """megatron-core's default ``mid_level_dataset_surplus``: each dataset builds 0.5% more samples
@@ -136,7 +136,7 @@ def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: n
 
     Row ``k`` equals ``megatron_gpt_sample(indices, store, sample_ids[k]).tokens``: the
     ``seq_length + add_extra_token`` tokens, a short last sample padded with ``pad_id``.
-    ``backend``: a key of ``tokenloom.serve._gather.GATHER_BACKENDS`` (default: numba when
+    ``backend``: a key of ``tokenloom.source.gather.GATHER_BACKENDS`` (default: numba when
     installed, else numpy; identical results). With ``out`` and ``out_rows``, row ``k`` goes to
     ``out[out_rows[k]]`` instead (no intermediate block).
     """
