@@ -82,7 +82,7 @@ def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, re
 
 def bench_throughput(args, prefixes, directory) -> list[dict]:
     from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, StoreBlendSource
-    from tokenloom.source.memory_stateless import StatelessBlendSource
+    from tokenloom.source import StatelessBlendSource
 
     weights = [0.5, 0.3, 0.2][: len(prefixes)]
     n, seq = args.samples, args.seq_length
@@ -144,7 +144,7 @@ def _memory() -> dict:
 def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None:
     """Run in a fresh process: build one split in memory, serve 100 micro-batches, print memory."""
     from tokenloom.serve import BatchGeometry, RankLoader, StoreBlendSource
-    from tokenloom.source.memory_stateless import StatelessBlendSource
+    from tokenloom.source import StatelessBlendSource
 
     num_samples = 100 * micro_batch
     start = time.perf_counter()
@@ -156,8 +156,9 @@ def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None
     else:
         if kind == "exact-build":  # the exact indices of a tokenloom build, memory-mapped from its cache
             import tokenloom.builder as tb
+            from tokenloom.index import BlendSpec
 
-            config = tb.BuildConfig(seq_length=seq_length, blend=tb.DatasetBlend((prefix,), (1.0,)), split="1,0,0",
+            config = tb.BuildConfig(seq_length=seq_length, blend=BlendSpec(prefixes=(prefix,), weights=(1.0,)), split="1,0,0",
                                     train_samples=num_samples, valid_samples=0, test_samples=0, seed=1,
                                     cache_dir=prefix + ".cache")
             source = tb.build(config).split("train")

@@ -35,11 +35,11 @@ def test_build_matches_the_index_kernels_and_reuses_its_cache(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache", blend=stores[:1], train_samples=500)
     first = tb.build(config)
     train = first.split("train")
-    store = train.dataset_indices[0].store
+    store = train.readers[0].store
     doc_range = split_document_ranges("90,8,2", store.num_sequences).train
     expected = build_megatron_gpt_indices(store.sequence_lengths, document_ids(doc_range),
                                           num_samples=500, seq_length=64, seed=1234)
-    got = train.dataset_indices[0].indices
+    got = train.readers[0].indices
     for name in ("document_index", "sample_index", "shuffle_index"):
         assert np.array_equal(getattr(got, name), getattr(expected, name))
         assert getattr(got, name).dtype == getattr(expected, name).dtype
@@ -81,12 +81,12 @@ def test_npy_files_are_what_numpy_save_writes(tmp_path):
 def test_a_changed_store_invalidates_only_its_items(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache")
     before = tb.build(config)
-    old = before.split("train").dataset_indices[1].key
+    old = before.split("train").readers[1].key
     write_store(stores[1], 400 + 97, seed=99)  # same name and size class, other lengths
     after = tb.build(config)
     rebuilt = after.built_keys
-    assert old not in {d.key for d in after.split("train").dataset_indices}
-    untouched = {d.key for n in ("train", "valid", "test") for d in after.split(n).dataset_indices
+    assert old not in {d.key for d in after.split("train").readers}
+    untouched = {d.key for n in ("train", "valid", "test") for d in after.split(n).readers
                  if d.prefix != stores[1]}
     assert not untouched & rebuilt  # other stores' items were reused
     fresh = tb.build(blend_config(stores, tmp_path / "fresh"))
@@ -132,7 +132,7 @@ def test_verify_names_a_changed_array_and_a_truncated_pack(stores, tmp_path):
     result = tb.build(blend_config(stores, cache_dir))
     assert tb.verify_cache(str(cache_dir)).ok
     cache = Cache(str(cache_dir))
-    key = result.split("train").dataset_indices[0].key
+    key = result.split("train").readers[0].key
     pack, entry = cache.locate(key, "shuffle_index")
     with open(pack, "r+b") as f:  # flip the last byte of one array
         f.seek(entry["offset"] + entry["bytes"] - 1)
@@ -261,7 +261,7 @@ def test_stateless_mode_serves_the_stateless_index_and_exact_counts(stores, tmp_
     assert train.num_samples == 3000  # exactly the samples asked for, no surplus
     dataset_ids, sample_ids = train.locate(np.arange(train.num_samples))
     assert np.bincount(dataset_ids).tolist() == largest_remainder_counts(np.array([0.3, 0.5, 0.2]), 3000).tolist()
-    for d, dataset in enumerate(train.dataset_indices):
+    for d, dataset in enumerate(train.readers):
         store = dataset.store
         doc_range = split_document_ranges("90,8,2", store.num_sequences).train
         wanted = int(np.sum(dataset_ids == d))

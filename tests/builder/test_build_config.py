@@ -12,18 +12,19 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tokenloom.builder import BuildConfig, DatasetBlend, load_build_config  # noqa: E402
+from tokenloom.builder import BuildConfig, load_build_config
+from tokenloom.index import BlendSpec  # noqa: E402
 from tokenloom.builder.config import build_config_from_dict  # noqa: E402
-from tokenloom.builder.keys import canonical_json, hash_key  # noqa: E402
+from tokenloom.source.keys import canonical_json, hash_key  # noqa: E402
 from tokenloom.errors import ConfigError  # noqa: E402
 
 
 def test_megatron_data_path_list_parses_weights_and_prefixes():
     config = BuildConfig(blend=["30", "a", "70", "b"], split="99,1,0", seq_length=8, train_samples=10,
                          valid_samples=1, test_samples=0)
-    assert config.blend == DatasetBlend(("a", "b"), (30.0, 70.0))
+    assert config.blend == BlendSpec(prefixes=("a", "b"), weights=(30.0, 70.0))
     unweighted = BuildConfig(blend=["a", "b"], split="1", seq_length=8)
-    assert unweighted.blend == DatasetBlend(("a", "b"), None)
+    assert unweighted.blend == BlendSpec(prefixes=("a", "b"), weights=None)
 
 
 def test_iterations_give_megatron_lm_sample_counts(tmp_path):

@@ -75,7 +75,7 @@ def _our_arrays(split) -> list[np.ndarray]:
     out = []
     if split.dataset_index is not None:
         out += [np.asarray(split.dataset_index), np.asarray(split.dataset_sample_index)]
-    for d in split.dataset_indices:
+    for d in split.readers:
         out += [np.asarray(d.indices.document_index), np.asarray(d.indices.sample_index),
                 np.asarray(d.indices.shuffle_index)]
     return out

@@ -7,6 +7,7 @@ import pytest
 from serve_fixtures import write_corpus
 
 from tokenloom.serve import BatchGeometry, SampleSource, SampleStream, StoreBlendSource, Topology, read_batch
+from tokenloom.index import BlendSpec
 from tokenloom.serve.simulate import simulate_job
 
 build_module = pytest.importorskip("tokenloom.builder")
@@ -14,7 +15,7 @@ build_module = pytest.importorskip("tokenloom.builder")
 
 def test_exact_build_split_serves_the_in_memory_stream(tmp_path):
     prefixes = write_corpus(tmp_path, 2, seed=5)
-    config = build_module.BuildConfig(seq_length=16, blend=build_module.DatasetBlend(tuple(prefixes), (0.6, 0.4)),
+    config = build_module.BuildConfig(seq_length=16, blend=BlendSpec(prefixes=tuple(prefixes), weights=(0.6, 0.4)),
                                       split="1,0,0", train_samples=100, valid_samples=0, test_samples=0, seed=7,
                                       cache_dir=str(tmp_path / "cache"))
     train = build_module.build(config).split("train")

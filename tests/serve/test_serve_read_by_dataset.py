@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tokenloom.errors import ConfigError
-from tokenloom.source.protocol import DatasetInfo, read_by_dataset
+from tokenloom.source import DatasetInfo, read_by_dataset
 
 DATASETS = (DatasetInfo(name="web", weight=0.75, num_samples=10, eod_id=0),
             DatasetInfo(name="code", weight=0.25, num_samples=3, eod_id=0))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from serve_fixtures import write_corpus
 
 from tokenloom.serve import BatchGeometry, RankLoader, SampleSource, StoreBlendSource, Topology
-from tokenloom.source.memory_stateless import StatelessBlendSource
+from tokenloom.source import StatelessBlendSource
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_batched_read_equals_per_sample_read(prefixes, seq_length, num_samples, 
     np.testing.assert_array_equal(source.read_samples(dataset_ids, sample_ids), rows)
     for k in range(positions.shape[0]):
         d = int(dataset_ids[k])
-        expected = source._indices[d].read(source._stores[d], int(sample_ids[k]))
+        expected = source.readers[d].indices.read(source.readers[d].store, int(sample_ids[k]))
         np.testing.assert_array_equal(rows[k], expected)
 
 

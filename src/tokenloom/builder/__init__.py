@@ -10,18 +10,15 @@ or a distributed job (torchrun) is running.
 """
 
 from tokenloom.builder.cache import VerifyReport, verify_cache
-from tokenloom.builder.config import BuildConfig, DatasetBlend, load_build_config
+from tokenloom.builder.config import BuildConfig, load_build_config
 from tokenloom.builder.items import BuildPlan, WorkItem, format_plan
-from tokenloom.builder.result import BuildResult, BuiltSplit, DatasetIndex
+from tokenloom.builder.result import BuildResult
 from tokenloom.builder.runner import build
 
 __all__ = [
     "BuildConfig",
     "BuildPlan",
     "BuildResult",
-    "BuiltSplit",
-    "DatasetBlend",
-    "DatasetIndex",
     "VerifyReport",
     "WorkItem",
     "build",

@@ -39,9 +39,11 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from tokenloom.builder.keys import CACHE_FORMAT_VERSION
 from tokenloom.errors import BuildError, FormatError
 from tokenloom.io.writer import fsync_dir, write_json_atomic
+
+#: Version of the cache layout and key material; bump it when either changes.
+CACHE_FORMAT_VERSION = 1
 
 PACKS_DIR = "packs"
 BUILDS_DIR = "builds"
@@ -457,5 +459,5 @@ def verify_cache(root: str) -> VerifyReport:
                         problems=tuple(problems))
 
 
-__all__ = ["Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range", "verify_cache",
+__all__ = ["CACHE_FORMAT_VERSION", "Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range", "verify_cache",
            "write_npy"]

@@ -16,23 +16,16 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import yaml
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.blend_spec import DEFAULT_SURPLUS
+from tokenloom.index.blend_spec import DEFAULT_SURPLUS, BlendSpec
 from tokenloom.index.split import SPLIT_NAMES, parse_split
 
 #: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
 MODES = ("exact", "stateless")
-
-
-class DatasetBlend(NamedTuple):
-    """Token stores and their weights (``None``: weigh each by its size, Megatron's rule)."""
-
-    prefixes: tuple[str, ...]
-    weights: tuple[float, ...] | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +35,10 @@ class BuildConfig:
     seq_length: int
     """Tokens per sample (Megatron's ``--seq-length``), not counting the extra label token."""
 
-    blend: DatasetBlend | None = None
+    blend: BlendSpec | None = None
     """Megatron's ``--data-path``: every split is cut from these stores by ``split``."""
 
-    blend_per_split: tuple[DatasetBlend | None, DatasetBlend | None, DatasetBlend | None] | None = None
+    blend_per_split: tuple[BlendSpec | None, BlendSpec | None, BlendSpec | None] | None = None
     """Megatron's ``--train/valid/test-data-path``: one blend per split (train, valid, test)."""
 
     split: str | None = None
@@ -193,7 +186,7 @@ class BuildConfig:
         """(train, valid, test) sample counts, Megatron's ``sizes``."""
         return (self.train_samples, self.valid_samples, self.test_samples)
 
-    def blend_for_split(self, split_index: int) -> DatasetBlend | None:
+    def blend_for_split(self, split_index: int) -> BlendSpec | None:
         """The blend split ``split_index`` (0 train, 1 valid, 2 test) draws from."""
         if self.blend is not None:
             return self.blend
@@ -247,10 +240,10 @@ def _check_non_negative_int(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
 
 
-def _as_blend(value: Any, what: str) -> DatasetBlend:
-    """Accept a DatasetBlend, ``{"prefixes": [...], "weights": [...]}``, ``[[prefixes], [weights]]``
+def _as_blend(value: Any, what: str) -> BlendSpec:
+    """Accept a BlendSpec, ``{"prefixes": [...], "weights": [...]}``, ``[[prefixes], [weights]]``
     (megatron-core's tuple) or Megatron-LM's ``--data-path`` list (``["30", "a", "70", "b"]``)."""
-    if isinstance(value, DatasetBlend):
+    if isinstance(value, BlendSpec):
         prefixes, weights = value.prefixes, value.weights
     elif isinstance(value, Mapping):
         unknown = sorted(set(value) - {"prefixes", "weights"})
@@ -283,7 +276,7 @@ def _as_blend(value: Any, what: str) -> DatasetBlend:
                 raise ConfigError(f"{what}: weight {weight!r} of {prefix}; expected a positive number")
             checked.append(float(weight))
         weights = tuple(checked)
-    return DatasetBlend(prefixes, weights)
+    return BlendSpec(prefixes=prefixes, weights=weights)
 
 
 def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[float] | None]:
@@ -306,7 +299,7 @@ def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[floa
     return [t.strip() for t in tokens], None
 
 
-def _blend_dict(blend: DatasetBlend | None) -> dict | None:
+def _blend_dict(blend: BlendSpec | None) -> dict | None:
     if blend is None:
         return None
     return {"prefixes": list(blend.prefixes), "weights": None if blend.weights is None else list(blend.weights)}
@@ -460,7 +453,6 @@ __all__ = [
     "ARRAY_FIELDS",
     "MODES",
     "BuildConfig",
-    "DatasetBlend",
     "as_build_config",
     "build_config_from_dict",
     "load_build_config",

@@ -23,11 +23,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from tokenloom.builder.config import BuildConfig
-from tokenloom.builder.keys import CACHE_FORMAT_VERSION, hash_key
+from tokenloom.builder.cache import CACHE_FORMAT_VERSION
+from tokenloom.source.keys import hash_key
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import ConfigError
-from tokenloom.index.blend_spec import megatron_normalize, megatron_sizes
+from tokenloom.index.blend_spec import megatron_normalize
 from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 
@@ -263,11 +264,10 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[
                 raise ConfigError(
                     f"{split}_samples is None but the {split} blend has weights; megatron-core needs a "
                     f"sample count to blend by weight: set {split}_samples or drop the weights")
-            megatron = megatron_sizes(blend.weights, size, surplus=config.mid_level_dataset_surplus)
+            megatron = blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus)
             datasets = [_gpt_item(config, infos[p], split_index, *r, n)
                         for p, r, n in zip(blend.prefixes, ranges, megatron.buffers)]
-            # BlendedDataset normalises the already normalised weights once more.
-            blend_weights = megatron_normalize(megatron_normalize(blend.weights)).tolist()
+            blend_weights = list(megatron.blend_weights)
             blend_size: int | None = megatron.blended_size
         else:
             datasets = [_gpt_item(config, infos[p], split_index, *r, None)

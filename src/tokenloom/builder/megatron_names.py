@@ -8,7 +8,7 @@ prefix as the job wrote it), ``num_samples``, ``index_split``, then the config's
 ``unique_identifiers``). A ``BlendedDataset`` lists ``class``, its datasets' identifiers, ``split``,
 ``weights`` and ``size``. Note what is missing: ``add_extra_token_to_sequence`` and
 ``drop_last_partial_validation_sequence`` change the arrays but not the name, so megatron-core
-reuses a stale cache when they change. tokenloom's own keys (:mod:`tokenloom.builder.keys`) include them.
+reuses a stale cache when they change. tokenloom's own keys (:mod:`tokenloom.source.keys`) include them.
 """
 
 from __future__ import annotations

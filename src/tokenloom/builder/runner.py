@@ -29,7 +29,9 @@ from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
 from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
 from tokenloom.builder.exact import SMALL_WALK_POSITIONS, ShuffleDrawer, build_blend_arrays, build_gpt_arrays, plan_to_dict
 from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
-from tokenloom.builder.keys import CACHE_FORMAT_VERSION, canonical_json, hash_key
+from tokenloom.builder.cache import CACHE_FORMAT_VERSION
+from tokenloom.source.keys import build_key as make_build_key
+from tokenloom.source.keys import canonical_json
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
@@ -341,7 +343,7 @@ class _Build:
     # -- 5. finalize ----------------------------------------------------------------------------
     def _finalize(self, plan: BuildPlan, infos, nodes, records) -> tuple[str, str | None]:
         array_config = {name: value for name, value in self.config.to_dict().items() if name in ARRAY_FIELDS}
-        build_key = hash_key({
+        build_key = make_build_key({
             "format": CACHE_FORMAT_VERSION, "config": array_config,
             "items": sorted(item.key for item in plan.items),
             "splits": [[s.name, list(s.dataset_keys), s.blend_key] for s in plan.splits],

@@ -79,12 +79,5 @@ def build_stateless_blend_arrays(params: Mapping[str, Any]) -> dict[str, np.ndar
     return {"counts": blend.counts}
 
 
-def read_stateless_samples(index: StatelessGPTIndex, store: IndexedDataset, sample_ids: np.ndarray) -> np.ndarray:
-    """``(B, seq_length + extra)`` int64 tokens of samples (served order) of a stateless index."""
-    spans = index.spans(np.asarray(sample_ids, dtype=np.int64))
-    tokens = store.read_spans(spans.document_ids, spans.offsets, spans.lengths)  # (B * width,)
-    return tokens.astype(np.int64).reshape(len(sample_ids), index.sample_token_count)
-
-
 __all__ = ["build_stateless_blend_arrays", "build_stateless_gpt_arrays", "open_stateless_gpt_index",
-           "read_stateless_samples", "stateless_blend"]
+           "stateless_blend"]

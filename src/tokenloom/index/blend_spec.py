@@ -126,6 +126,15 @@ class BlendSpec:
                 )
         return cls(prefixes=tuple(items))
 
+    def megatron_sizes(self, num_samples: int, *, surplus: float = DEFAULT_SURPLUS) -> MegatronSizes:
+        """megatron-core's sizing of this blend for a split asked for ``num_samples`` samples:
+        each dataset's target and buffer, the blended length and the weights its greedy blends
+        with (see :func:`megatron_sizes`). Needs weights (a blend weighed by dataset sizes has
+        no sizing rule: every dataset gives what it has)."""
+        if self.weights is None:
+            raise ConfigError("megatron's sizing needs weights; this blend weighs its datasets by their sizes")
+        return megatron_sizes(self.weights, num_samples, surplus=surplus)
+
     @property
     def num_datasets(self) -> int:
         """Datasets in the blend."""
@@ -183,6 +192,9 @@ class MegatronSizes:
     """``ceil(ceil(N * w_d) * (1 + surplus))``: samples each dataset is built with."""
     blended_size: int
     """``sum(targets)``: the blended split's length (not ``N``)."""
+    blend_weights: tuple[float, ...]
+    """The weights ``BlendedDataset`` blends with: the builder's normalised weights normalised a
+    second time (``w / sum(w)`` twice; the float results can differ in the last bit from once)."""
 
 
 def megatron_sizes(weights, num_samples: int, *, surplus: float = DEFAULT_SURPLUS) -> MegatronSizes:
@@ -196,7 +208,9 @@ def megatron_sizes(weights, num_samples: int, *, surplus: float = DEFAULT_SURPLU
     normalised = megatron_normalize(weights).tolist()
     targets = tuple(int(math.ceil(n * w)) for w in normalised)
     buffers = tuple(int(math.ceil(math.ceil(n * w) * (1 + surplus))) for w in normalised)
-    return MegatronSizes(targets=targets, buffers=buffers, blended_size=sum(targets))
+    # BlendedDataset normalises the builder's already normalised weights once more
+    blend_weights = tuple(megatron_normalize(normalised).tolist())
+    return MegatronSizes(targets=targets, buffers=buffers, blended_size=sum(targets), blend_weights=blend_weights)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -269,10 +283,8 @@ def _plan_one(name: str, spec: BlendSpec, num_samples, *, mode: str, surplus: fl
                 raise ConfigError(f"split {name!r} has weights but no num_samples; weighted blends need a size")
             if any(w <= 0 for w in spec.weights):
                 raise ConfigError(f"megatron-core needs positive weights; got {spec.weights!r} for split {name!r}")
-            sizes = megatron_sizes(spec.weights, n, surplus=surplus)  # sized with w / sum(w)
-            once = megatron_normalize(spec.weights)
-            twice = megatron_normalize(once.tolist())  # BlendedDataset normalises again
-            return SplitBlendPlan(split=name, mode=mode, prefixes=spec.prefixes, weights=tuple(twice.tolist()),
+            sizes = spec.megatron_sizes(n, surplus=surplus)
+            return SplitBlendPlan(split=name, mode=mode, prefixes=spec.prefixes, weights=sizes.blend_weights,
                                   size=sizes.blended_size, dataset_num_samples=sizes.buffers)
         lengths = spec._per_dataset(_require(dataset_num_samples, name), "dataset_num_samples")
         for prefix, length in zip(spec.prefixes, lengths.tolist()):

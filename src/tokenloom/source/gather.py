@@ -12,7 +12,7 @@ overhead of a dozen small numpy operations, which the compiled loop removes.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -183,11 +183,20 @@ def _span_block_numpy(store, spans, pad_id: int, out: np.ndarray) -> None:
     out[row_of_token, column] = tokens
 
 
-GATHER_BACKENDS: dict[str, tuple[Callable, Callable]] = {
-    "numba": (gpt_rows_numba, span_rows_numba),
-    "numpy": (gpt_rows_numpy, span_rows_numpy),
+class GatherKernels(NamedTuple):
+    """One backend's two row-copying kernels; every backend gives identical rows."""
+
+    gpt_rows: Callable
+    """``(indices, store, sample_ids, pad_id, out, out_rows)``: rows of a Megatron GPT index."""
+    span_rows: Callable
+    """``(store, spans, pad_id, out, out_rows)``: rows given as document pieces (stateless index)."""
+
+
+GATHER_BACKENDS: dict[str, GatherKernels] = {
+    "numba": GatherKernels(gpt_rows_numba, span_rows_numba),
+    "numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy),
 }
-"""Backend name -> (Megatron GPT index rows, stateless span rows); identical results."""
+"""Backend name -> its kernels."""
 
 
 def default_backend() -> str:

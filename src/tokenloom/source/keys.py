@@ -1,4 +1,9 @@
-"""Cache keys: SHA-256 of canonical JSON.
+"""Keys: SHA-256 of canonical JSON, for cache items and for the build key a serving state carries.
+
+A source's ``build_key`` names the stream it serves; a saved serving state and an audit log carry
+it, and a resume against another build is refused. :func:`build_key` is the one function that
+computes it, for a finished build (the builder) and for a source made in memory alike; the
+builder keys each cache item with :func:`hash_key` of the item's parameters.
 
 Canonical JSON has sorted keys, no whitespace, integers as integers, floats as the shortest string
 that reads back to the same double (``repr``), and no NaN or infinity, so one set of parameters has
@@ -14,8 +19,6 @@ from typing import Any
 
 from tokenloom.errors import ConfigError
 
-#: Version of the cache layout and key material; bump it when either changes.
-CACHE_FORMAT_VERSION = 1
 #: Hex digits of SHA-256 kept in a key (160 bits).
 KEY_HEX_DIGITS = 40
 
@@ -49,4 +52,11 @@ def hash_key(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()[:KEY_HEX_DIGITS]
 
 
-__all__ = ["CACHE_FORMAT_VERSION", "KEY_HEX_DIGITS", "canonical_json", "hash_key"]
+def build_key(material: Any) -> str:
+    """The build key of a source: :func:`hash_key` of everything that decides its stream (the
+    config's array fields and every item key for a build; the inputs' fingerprints and the
+    parameters for a source made in memory)."""
+    return hash_key(material)
+
+
+__all__ = ["KEY_HEX_DIGITS", "build_key", "canonical_json", "hash_key"]

@@ -1,0 +1,213 @@
+"""The one blended source: global positions -> (dataset, sample) -> tokens, over one reader per dataset.
+
+A :class:`BlendedSource` is one split of a build. A *locator* says which dataset and which of its
+samples sit at each global position; one reader per dataset (:mod:`tokenloom.source.readers`)
+turns sample ids into tokens. Three locators cover every build:
+
+* :class:`ArrayLocator` -- megatron-core's ``dataset_index`` / ``dataset_sample_index`` arrays
+  (exact mode; in memory or memory-mapped from the cache);
+* :class:`BlendLocator` -- tokenloom's closed-form :class:`~tokenloom.index.blend.Blend`
+  (stateless mode; O(datasets) memory);
+* :class:`DirectLocator` -- a split that reads one dataset unblended: position ``i`` is its sample ``i``.
+
+The build stage produces these sources (``BuildResult.split(name)``), ``StoreBlendSource`` and
+``StatelessBlendSource`` (:mod:`tokenloom.source.memory`) make them in memory, and the serving
+stage consumes them through the :class:`~tokenloom.source.protocol.SampleSource` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from tokenloom.errors import ConfigError, PositionError
+from tokenloom.index.blend import Blend
+from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
+from tokenloom.source.protocol import DatasetInfo
+from tokenloom.source.readers import DatasetReader, resolve_eod
+from tokenloom.validate import check_positions
+
+
+class Locator(Protocol):
+    """Where each global position of a blend comes from."""
+
+    @property
+    def num_samples(self) -> int:
+        """Positions in the blend."""
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset_ids, sample_ids)`` int64 of in-range ``positions`` (int64)."""
+
+
+class ArrayLocator:
+    """megatron-core's blend arrays, in memory or memory-mapped (exact mode)."""
+
+    def __init__(self, dataset_index: np.ndarray, dataset_sample_index: np.ndarray) -> None:
+        self.dataset_index = dataset_index
+        """(num_samples,) int16 (int32 beyond 32766 datasets): the dataset of each position."""
+        self.dataset_sample_index = dataset_sample_index
+        """(num_samples,) int64: the sample of that dataset at each position."""
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.dataset_index.shape[0])
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return (np.asarray(self.dataset_index[positions], dtype=np.int64),
+                np.asarray(self.dataset_sample_index[positions], dtype=np.int64))
+
+
+class BlendLocator:
+    """tokenloom's closed-form blend: positions are located on demand (stateless mode)."""
+
+    def __init__(self, blend: Blend) -> None:
+        self.blend = blend
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.blend)
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        dataset_ids, sample_ids = self.blend.lookup(positions)
+        return np.asarray(dataset_ids, dtype=np.int64), np.asarray(sample_ids, dtype=np.int64)
+
+
+class DirectLocator:
+    """One dataset, unblended: position ``i`` is sample ``i`` of dataset 0."""
+
+    def __init__(self, num_samples: int) -> None:
+        self._num_samples = int(num_samples)
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(positions.shape, dtype=np.int64), positions.astype(np.int64, copy=True)
+
+
+def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo], width: int,
+                    fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
+    """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
+
+    Every dataset id and sample id is checked against ``datasets`` first (PositionError names
+    the first one out of range); then ``fill(d, rows, sample_ids_of_d, out)`` writes dataset
+    ``d``'s samples into ``out[rows]``.
+    """
+    dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
+    sample_ids = np.asarray(sample_ids, dtype=np.int64)
+    out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
+    for d in np.unique(dataset_ids):
+        if not 0 <= d < len(datasets):
+            raise PositionError(f"dataset id {int(d)}; the blend has {len(datasets)} datasets")
+        rows = np.flatnonzero(dataset_ids == d)
+        wanted = sample_ids[rows]
+        available = datasets[d].num_samples
+        if wanted.min() < 0 or wanted.max() >= available:
+            bad = int(wanted.min()) if wanted.min() < 0 else int(wanted.max())
+            raise PositionError(f"dataset {int(d)} ({datasets[d].name}) asked for sample {bad} but its index "
+                                f"holds {available}; build it with more samples")
+        fill(int(d), rows, wanted, out)
+    return out
+
+
+class BlendedSource:
+    """One split: a blend of datasets, readable by position (a :class:`SampleSource`)."""
+
+    def __init__(self, *, readers: Sequence[DatasetReader], weights: Sequence[float], locator: Locator,
+                 seq_length: int, add_extra_token: bool, build_key: str, pad_id: int = PAD_TOKEN_ID,
+                 name: str = "train", eod_ids: Sequence[int | None] | None = None) -> None:
+        """``weights`` are the datasets' target shares (summing to 1); ``eod_ids`` give each
+        dataset's end-of-document id where its store has no tokenizer record (None: the records')."""
+        if len(weights) != len(readers) or (eod_ids is not None and len(eod_ids) != len(readers)):
+            raise ConfigError(f"{len(weights)} weights and {None if eod_ids is None else len(eod_ids)} EOD ids "
+                              f"for {len(readers)} datasets; expected one of each per dataset")
+        eod_ids = [None] * len(readers) if eod_ids is None else list(eod_ids)
+        self.name = name
+        """``train``, ``valid`` or ``test``."""
+        self.readers = tuple(readers)
+        """One reader per dataset, in blend order (dataset id ``d`` is ``readers[d]``)."""
+        self.locator = locator
+        """Where each global position comes from."""
+        self.backend: str | None = None
+        """Gather kernel (a key of ``tokenloom.source.gather.GATHER_BACKENDS``); None: the default."""
+        self._seq_length = int(seq_length)
+        self._add_extra_token = bool(add_extra_token)
+        self._build_key = build_key
+        self._pad_id = int(pad_id)
+        self._datasets = tuple(
+            DatasetInfo(name=reader.name, weight=float(w), num_samples=reader.num_samples,
+                        eod_id=resolve_eod(reader.store, eod))
+            for reader, w, eod in zip(self.readers, weights, eod_ids)
+        )
+
+    # -- SampleSource ---------------------------------------------------------------------------
+    @property
+    def build_key(self) -> str:
+        return self._build_key
+
+    @property
+    def num_samples(self) -> int:
+        return self.locator.num_samples
+
+    @property
+    def seq_length(self) -> int:
+        return self._seq_length
+
+    @property
+    def add_extra_token(self) -> bool:
+        return self._add_extra_token
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def datasets(self) -> tuple[DatasetInfo, ...]:
+        return self._datasets
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset_ids, sample_ids)`` (int64, shaped like ``positions``) of blend positions."""
+        positions = np.asarray(positions, dtype=np.int64)
+        check_positions(positions, self.num_samples, what=f"the {self.name} split holds {self.num_samples} samples",
+                        hint="build with more samples to serve further")
+        return self.locator.locate(positions)
+
+    def read_samples(self, dataset_ids, sample_ids) -> np.ndarray:
+        """``(B, seq_length + add_extra_token)`` int64 tokens of (dataset, sample) pairs."""
+        def fill(d: int, rows: np.ndarray, wanted: np.ndarray, out: np.ndarray) -> None:
+            self.readers[d].read_into(wanted, out, rows, backend=self.backend)
+
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self._datasets,
+                               width=self._seq_length + int(self._add_extra_token), fill=fill)
+
+    def __getitem__(self, position: int) -> np.ndarray:
+        """Tokens of one blend position (megatron-core's ``BlendedDataset[i]["text"]``)."""
+        return self.read_samples(*self.locate(np.array([position])))[0]
+
+    # -- views of the locator -------------------------------------------------------------------
+    @property
+    def dataset_index(self) -> np.ndarray | None:
+        """Exact blends: (num_samples,) the dataset of each position (megatron-core's array); else None."""
+        return self.locator.dataset_index if isinstance(self.locator, ArrayLocator) else None
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray | None:
+        """Exact blends: (num_samples,) int64, the sample of that dataset at each position; else None."""
+        return self.locator.dataset_sample_index if isinstance(self.locator, ArrayLocator) else None
+
+    @property
+    def blend(self) -> Blend | None:
+        """Stateless blends: the closed-form :class:`Blend` that locates positions; else None."""
+        return self.locator.blend if isinstance(self.locator, BlendLocator) else None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, datasets={len(self.readers)}, "
+                f"num_samples={self.num_samples}, seq_length={self._seq_length}, build_key={self._build_key[:12]})")
+
+
+__all__ = ["ArrayLocator", "BlendLocator", "BlendedSource", "DirectLocator", "Locator", "read_by_dataset"]

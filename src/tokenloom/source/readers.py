@@ -1,0 +1,135 @@
+"""One reader per kind of packed-sample index: sample ids of one dataset -> rows of tokens.
+
+A reader pairs a token store with the index that cuts it into samples:
+
+* :class:`MegatronReader` -- megatron-core's three arrays (:class:`~tokenloom.index.megatron_gpt.GPTIndices`),
+  in memory or memory-mapped from a build's cache;
+* :class:`StatelessReader` -- tokenloom's Feistel index
+  (:class:`~tokenloom.index.stateless.StatelessGPTIndex`), which computes each sample's document
+  pieces from a seed and a few bytes per document.
+
+Both copy a batch of samples straight from the memory-mapped store into rows of one
+``(B, seq_length + add_extra_token)`` int64 block with one compiled call
+(:mod:`tokenloom.source.gather`). A blended source (:mod:`tokenloom.source.blended`) holds one
+reader per dataset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
+from tokenloom.index.stateless import StatelessGPTIndex
+from tokenloom.io import IndexedDataset
+from tokenloom.source.gather import GATHER_BACKENDS, default_backend
+
+
+def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
+    """The store's end-of-document id: its tokenizer record's, or ``eod_id`` when it has none;
+    ConfigError when both exist and differ."""
+    record = (store.metadata or {}).get("tokenizer") or {}
+    recorded = None if record.get("eod_id") is None else int(record["eod_id"])
+    if eod_id is not None and recorded is not None and int(eod_id) != recorded:
+        raise ConfigError(f"{store.prefix}: eod_id={eod_id} but the store's tokenizer record says {recorded}; "
+                          "drop eod_id or use stores made with that tokenizer")
+    return recorded if eod_id is None else int(eod_id)
+
+
+def _gather_backend(backend: str | None) -> str:
+    name = default_backend() if backend is None else backend
+    if name not in GATHER_BACKENDS:
+        raise ConfigError(f"backend={backend!r}; expected one of {sorted(GATHER_BACKENDS)}")
+    return name
+
+
+def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: np.ndarray, *,
+                       pad_id: int = PAD_TOKEN_ID, backend: str | None = None, out: np.ndarray | None = None,
+                       out_rows: np.ndarray | None = None) -> np.ndarray:
+    """Tokens of many samples of one Megatron GPT index, copied in one call.
+
+    Row ``k`` equals ``megatron_gpt_sample(indices, store, sample_ids[k]).tokens``: the
+    ``seq_length + add_extra_token`` tokens, a short last sample padded with ``pad_id``.
+    ``backend``: a key of ``tokenloom.source.gather.GATHER_BACKENDS`` (default: numba when
+    installed, else numpy; identical results). With ``out`` and ``out_rows``, row ``k`` goes to
+    ``out[out_rows[k]]`` instead (no intermediate block).
+    """
+    sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
+    if out is None:
+        out = np.empty((sample_ids.shape[0], indices.plan.sample_num_tokens), dtype=np.int64)  # (B, width)
+        out_rows = np.arange(sample_ids.shape[0], dtype=np.int64)
+    if sample_ids.shape[0]:
+        GATHER_BACKENDS[_gather_backend(backend)].gpt_rows(indices, store, sample_ids, pad_id, out,
+                                                           np.ascontiguousarray(out_rows, dtype=np.int64))
+    return out
+
+
+class DatasetReader:
+    """Reads samples of one dataset (a store and its index); see the two kinds below."""
+
+    def __init__(self, *, name: str, store: IndexedDataset, indices: GPTIndices | StatelessGPTIndex,
+                 key: str | None = None) -> None:
+        self.name = name
+        """The dataset's label: its store prefix, or a name given to the blend."""
+        self.store = store
+        """The token store, memory-mapped."""
+        self.indices = indices
+        """The packed-sample index over ``store``."""
+        self.key = key
+        """Cache key of the build item that made ``indices``; None for an index made in memory."""
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the index; sample ids handed to :meth:`read_into` stay below it."""
+        return self.indices.num_samples
+
+    @property
+    def prefix(self) -> str:
+        """The store's path prefix."""
+        return self.store.prefix
+
+    def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
+                  backend: str | None = None) -> None:
+        """Write sample ``sample_ids[k]`` (served order) into ``out[out_rows[k]]``."""
+        raise NotImplementedError
+
+    def read(self, sample_ids, *, backend: str | None = None) -> np.ndarray:
+        """``(len(sample_ids), seq_length + add_extra_token)`` int64 tokens."""
+        sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
+        out = np.empty((sample_ids.shape[0], self.indices.plan.sample_num_tokens), dtype=np.int64)
+        self.read_into(sample_ids, out, np.arange(sample_ids.shape[0], dtype=np.int64), backend=backend)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, num_samples={self.num_samples})"
+
+
+class MegatronReader(DatasetReader):
+    """A dataset on megatron-core's arrays: sample ``i`` is megatron-core's ``GPTDataset[i]``."""
+
+    def __init__(self, *, name: str, store: IndexedDataset, indices: GPTIndices, key: str | None = None,
+                 pad_id: int = PAD_TOKEN_ID) -> None:
+        super().__init__(name=name, store=store, indices=indices, key=key)
+        self.pad_id = int(pad_id)
+        """Fills the short last sample a validation split keeps (``drop_last_partial=False``)."""
+
+    def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
+                  backend: str | None = None) -> None:
+        gather_gpt_samples(self.indices, self.store, sample_ids, pad_id=self.pad_id, backend=backend, out=out,
+                           out_rows=out_rows)
+
+
+class StatelessReader(DatasetReader):
+    """A dataset on tokenloom's stateless index: every sample is a whole window of tokens."""
+
+    def __init__(self, *, name: str, store: IndexedDataset, indices: StatelessGPTIndex, key: str | None = None) -> None:
+        super().__init__(name=name, store=store, indices=indices, key=key)
+
+    def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
+                  backend: str | None = None) -> None:
+        spans = self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
+        GATHER_BACKENDS[_gather_backend(backend)].span_rows(self.store, spans, -1, out,
+                                                            np.ascontiguousarray(out_rows, dtype=np.int64))
+
+
+__all__ = ["DatasetReader", "MegatronReader", "StatelessReader", "gather_gpt_samples", "resolve_eod"]
