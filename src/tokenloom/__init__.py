@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokenloom._version import __version__
 from tokenloom.errors import BuildError, ConfigError, FormatError, InputError, PositionError, TokenloomError
 
 if TYPE_CHECKING:  # pragma: no cover
     from tokenloom.builder import BuildPlan, BuildResult
     from tokenloom.planning import Plan
-
-__version__ = "0.1.0"
 
 
 def build(config: Any, group: Any = None, **options: Any) -> BuildResult | BuildPlan:

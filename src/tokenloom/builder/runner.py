@@ -29,6 +29,7 @@ from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
 from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
 from tokenloom.builder.exact import SMALL_WALK_POSITIONS, ShuffleDrawer, build_blend_arrays, build_gpt_arrays, plan_to_dict
 from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
+from tokenloom._version import __version__
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.source.keys import build_key as make_build_key
 from tokenloom.source.keys import canonical_json
@@ -364,8 +365,6 @@ class _Build:
         return build_key, paths[nodes[self.rank]]
 
     def _write_manifest(self, plan, infos, records, build_key, array_config) -> str:
-        import tokenloom
-
         entries = []
         for item in plan.items:
             record = self.cache.read_record(item.key)  # this node's copy (its own pack offsets)
@@ -377,7 +376,7 @@ class _Build:
             })
         manifest = {
             "format": "tokenloom-build-manifest", "version": CACHE_FORMAT_VERSION,
-            "build_key": build_key, "tokenloom_version": tokenloom.__version__,
+            "build_key": build_key, "tokenloom_version": __version__,
             "numpy_version": np.__version__, "python_version": platform.python_version(),
             "created": host_record(), "world_size": self.world,
             "config": self.config.to_dict(), "array_config_json": canonical_json(array_config),

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from tokenloom import __version__
+from tokenloom._version import __version__
 from tokenloom.cli import builder, demo, planning, serving, stores, tokenization
 from tokenloom.errors import TokenloomError
 
