@@ -23,6 +23,7 @@ import yaml
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import DEFAULT_SURPLUS, BlendSpec
 from tokenloom.index.split import SPLIT_NAMES, parse_split
+from tokenloom.validate import check_non_negative_int, check_number, check_positive_int, is_number
 
 #: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
 MODES = ("exact", "stateless")
@@ -94,7 +95,7 @@ class BuildConfig:
     share of its host's cores (the cores it may use / the build's ranks on the host)."""
 
     def __post_init__(self) -> None:
-        _check_positive_int("seq_length", self.seq_length)
+        object.__setattr__(self, "seq_length", check_positive_int("seq_length", self.seq_length))
         if (self.blend is None) == (self.blend_per_split is None):
             raise ConfigError(
                 "BuildConfig needs exactly one of blend and blend_per_split, got "
@@ -133,15 +134,15 @@ class BuildConfig:
         for name in ("train_samples", "valid_samples", "test_samples"):
             value = getattr(self, name)
             if value is not None:
-                _check_non_negative_int(name, value)
-        _check_non_negative_int("seed", self.seed)
+                object.__setattr__(self, name, check_non_negative_int(name, value))
+        object.__setattr__(self, "seed", check_non_negative_int("seed", self.seed))
         if self.seed >= 2**32:
             raise ConfigError(f"seed={self.seed}; expected an integer below 2**32 (a RandomState seed)")
         for name in ("add_extra_token", "drop_last_partial_validation_sequence", "shared_fs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; expected true or false")
         surplus = self.mid_level_dataset_surplus
-        if isinstance(surplus, bool) or not isinstance(surplus, (int, float)) or not 0 <= surplus < 10:
+        if not is_number(surplus) or not 0 <= surplus < 10:
             raise ConfigError(f"mid_level_dataset_surplus={surplus!r}; expected a number in [0, 10)")
         object.__setattr__(self, "mid_level_dataset_surplus", float(surplus))
         if self.mode not in MODES:
@@ -166,11 +167,9 @@ class BuildConfig:
         object.__setattr__(self, "cache_dir", str(self.cache_dir))
         if self.megatron_cache_dir is not None:
             object.__setattr__(self, "megatron_cache_dir", str(self.megatron_cache_dir))
-        timeout = self.timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ConfigError(f"timeout_s={timeout!r}; expected a positive number of seconds")
-        _check_non_negative_int("rng_workers", self.rng_workers)
-        _check_non_negative_int("blend_threads", self.blend_threads)
+        check_number("timeout_s", self.timeout_s, positive=True, expected="a positive number of seconds")
+        object.__setattr__(self, "rng_workers", check_non_negative_int("rng_workers", self.rng_workers))
+        object.__setattr__(self, "blend_threads", check_non_negative_int("blend_threads", self.blend_threads))
         for index, name in enumerate(SPLIT_NAMES):
             blend = self.blend_for_split(index)
             if blend is not None and blend.weights is not None and len(blend.prefixes) > 1 \
@@ -230,16 +229,6 @@ ARRAY_FIELDS = (
 # ------------------------------------------------------------------------------------ validation
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r}; expected a positive integer")
-
-
-def _check_non_negative_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
-
-
 def _as_blend(value: Any, what: str) -> BlendSpec:
     """Accept a BlendSpec, ``{"prefixes": [...], "weights": [...]}``, ``[[prefixes], [weights]]``
     (megatron-core's tuple) or Megatron-LM's ``--data-path`` list (``["30", "a", "70", "b"]``)."""
@@ -271,8 +260,7 @@ def _as_blend(value: Any, what: str) -> BlendSpec:
             )
         checked = []
         for prefix, weight in zip(prefixes, weights):
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
-                    or weight <= 0:
+            if not is_number(weight) or not math.isfinite(weight) or weight <= 0:
                 raise ConfigError(f"{what}: weight {weight!r} of {prefix}; expected a positive number")
             checked.append(float(weight))
         weights = tuple(checked)
@@ -413,8 +401,8 @@ def _samples_from_extra(extra: dict, values: dict, source: str, base_dir: str | 
     interval = _integral(extra.get("eval_interval", 1000), "eval_interval", source)
     eval_iters = _integral(extra.get("eval_iters", 100), "eval_iters", source)
     for name, value in (("train_iters", iters), ("global_batch_size", batch), ("eval_interval", interval)):
-        _check_positive_int(name, value)
-    _check_non_negative_int("eval_iters", eval_iters)
+        check_positive_int(name, value)
+    check_non_negative_int("eval_iters", eval_iters)
     # Megatron-LM's training loop: train, then eval_iters batches every eval_interval steps and
     # once at the end, then eval_iters batches of test.
     return (iters * batch, (iters // interval + 1) * eval_iters * batch, eval_iters * batch)

@@ -25,6 +25,7 @@ import numpy as np
 from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.source.keys import hash_key
+from tokenloom.validate import check_positive_int
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import ConfigError
@@ -323,8 +324,7 @@ def assign_lpt(items: list[WorkItem], world_size: int) -> dict[str, int]:
 def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: int,
                done: frozenset[str] = frozenset()) -> BuildPlan:
     """The plan: every item, the splits, and the ranks that build the items not in ``done``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size={world_size!r}; expected a positive integer")
+    check_positive_int("world_size", world_size)
     items, splits = resolve_items(config, infos)
     todo = [item for item in items if item.key not in done]
     return BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size,

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from tokenloom.errors import ConfigError, FormatError
+from tokenloom.errors import ConfigError, FormatError, PositionError
 from tokenloom.io.format import (
     HEADER_SIZE,
     IdxHeader,
@@ -21,6 +21,7 @@ from tokenloom.io.format import (
     normalize_prefix,
     parse_header,
 )
+from tokenloom.validate import check_positions, is_integer
 
 
 def _map_readonly(path: str) -> np.ndarray:
@@ -130,8 +131,9 @@ class IndexedDataset:
     # -- reads ----------------------------------------------------------------------------------
     def _check_sequence(self, sequence_id) -> int:
         n = self.header.num_sequences
-        if not isinstance(sequence_id, (int, np.integer)) or not -n <= sequence_id < n:
-            raise IndexError(f"{self.prefix}: sequence {sequence_id!r} out of range [0, {n})")
+        if not is_integer(sequence_id) or not -n <= sequence_id < n:
+            raise PositionError(f"{self.prefix}: sequence {sequence_id!r} is out of range; the store holds {n} "
+                                f"sequences (ids in [0, {n}), or negative from the end)")
         return int(sequence_id) % n if n else 0
 
     def get(self, sequence_id: int, offset: int = 0, length: int | None = None) -> np.ndarray:
@@ -141,7 +143,7 @@ class IndexedDataset:
         if length is None:
             length = seq_length - offset
         if offset < 0 or length < 0 or offset + length > seq_length:
-            raise IndexError(
+            raise PositionError(
                 f"{self.prefix}: tokens [{offset}, {offset + length}) outside sequence {i} "
                 f"of length {seq_length}"
             )
@@ -159,7 +161,7 @@ class IndexedDataset:
         i = self._check_sequence(sequence_id)
         start = int(self.sequence_pointers[i]) // self.itemsize + offset
         if offset < 0 or length < 0 or start + length > self.tokens.shape[0]:
-            raise IndexError(
+            raise PositionError(
                 f"{self.prefix}: window of {length} tokens at offset {offset} of sequence {i} "
                 f"runs past the end of the store ({self.tokens.shape[0]} tokens)"
             )
@@ -181,11 +183,13 @@ class IndexedDataset:
         if sequence_ids.size == 0:
             return np.zeros(0, dtype=self.dtype)
         n = self.header.num_sequences
-        if sequence_ids.min() < 0 or sequence_ids.max() >= n:
-            raise IndexError(f"{self.prefix}: sequence ids outside [0, {n})")
+        check_positions(sequence_ids, n, what=f"{self.prefix} holds {n} sequences", name="sequence ids")
         seq_lengths = self.sequence_lengths[sequence_ids].astype(np.int64)
         if (offsets < 0).any() or (lengths < 0).any() or (offsets + lengths > seq_lengths).any():
-            raise IndexError(f"{self.prefix}: a span runs outside its sequence")
+            bad = int(np.flatnonzero((offsets < 0) | (lengths < 0) | (offsets + lengths > seq_lengths))[0])
+            raise PositionError(f"{self.prefix}: span {bad} (tokens [{int(offsets[bad])}, "
+                                f"{int(offsets[bad] + lengths[bad])}) of sequence {int(sequence_ids[bad])}) runs outside "
+                                f"its sequence of {int(seq_lengths[bad])} tokens")
         # starts: (num_spans,) int64 token positions in the .bin
         starts = self.sequence_pointers[sequence_ids] // self.itemsize + offsets
         total = int(lengths.sum())

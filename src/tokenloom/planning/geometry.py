@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from tokenloom.errors import ConfigError, FormatError
+from tokenloom.validate import is_integer
 
 FORMAT_NAME = "tokenloom-data-geometry"
 FORMAT_VERSION = 1
@@ -57,8 +58,9 @@ class DataGeometry:
         for f in fields(self):
             value = getattr(self, f.name)
             minimum = 0 if f.name == "eval_iters" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if not is_integer(value) or value < minimum:
                 raise ConfigError(f"DataGeometry.{f.name} must be an integer >= {minimum}, got {value!r}")
+            object.__setattr__(self, f.name, int(value))
         per_step = self.micro_batch_size * self.data_parallel_size * self.gradient_accumulation_steps
         if per_step != self.global_batch_size:
             raise ConfigError(

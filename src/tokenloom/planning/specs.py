@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenloom.errors import ConfigError
+from tokenloom.validate import is_integer, is_number
 
 #: Activation recomputation choices (Korthikanti et al. 2022): keep everything, recompute only
 #: the attention core (softmax and its dropout), or keep only each layer's input.
@@ -20,12 +21,12 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
 def _positive_number(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ConfigError(f"{owner}.{name} must be a positive number, got {value!r}")
 
 
@@ -191,7 +192,7 @@ class TrainingSpec:
             if getattr(self, name) is not None:
                 _positive_int("TrainingSpec", name, getattr(self, name))
         _positive_int("TrainingSpec", "eval_interval", self.eval_interval)
-        if isinstance(self.eval_iters, bool) or not isinstance(self.eval_iters, int) or self.eval_iters < 0:
+        if not is_integer(self.eval_iters) or self.eval_iters < 0:
             raise ConfigError(f"TrainingSpec.eval_iters must be a non-negative integer, got {self.eval_iters!r}")
 
     def batch_samples(self, seq_length: int) -> int:
