@@ -23,9 +23,9 @@ def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     steps = json.loads(sys.argv[4])
     out_dir = sys.argv[5]
-    import torch.distributed as dist
-
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     import tokenloom.builder as tb
     from tokenloom.errors import BuildError

@@ -7,7 +7,6 @@ import logging
 import warnings
 
 import pytest
-
 from build_fixtures import NULL_TOKENIZER
 
 
@@ -16,7 +15,9 @@ def _megatron():
     logging.getLogger("megatron").setLevel(logging.ERROR)
     pytest.importorskip("megatron.core")
     from megatron.core.datasets import helpers
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 

@@ -11,19 +11,17 @@ import sys
 
 import numpy as np
 import pytest
+from build_fixtures import blend_config, cache_files, make_stores, write_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from build_fixtures import blend_config, cache_files, make_stores, write_store  # noqa: E402
-
-import tokenloom.builder as tb  # noqa: E402
-from tokenloom.builder.cache import write_npy  # noqa: E402
-from tokenloom.builder.items import assign_lpt, plan_build, ranges_for  # noqa: E402
-from tokenloom.builder.stores import fingerprint_store  # noqa: E402
-from tokenloom.errors import BuildError, ConfigError  # noqa: E402
-from tokenloom.index.megatron_gpt import build_megatron_gpt_indices  # noqa: E402
-from tokenloom.index.split import document_ids, split_document_ranges  # noqa: E402
+import tokenloom.builder as tb
+from tokenloom.builder.cache import write_npy
+from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
+from tokenloom.builder.stores import fingerprint_store
+from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.megatron_gpt import build_megatron_gpt_indices
+from tokenloom.index.split import document_ids, split_document_ranges
 
 
 @pytest.fixture()

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import pytest
+from build_fixtures import make_stores
 
-sys.path.insert(0, os.path.dirname(__file__))
-from build_fixtures import make_stores  # noqa: E402
-
-from tokenloom.cli.builder import add_build_parser, add_cache_parser  # noqa: E402
-from tokenloom.errors import ConfigError  # noqa: E402
+from tokenloom.cli.builder import add_build_parser, add_cache_parser
+from tokenloom.errors import ConfigError
 
 
 def _run(argv) -> int:

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 from tokenloom.builder import BuildConfig, load_build_config
-from tokenloom.index import BlendSpec  # noqa: E402
-from tokenloom.builder.config import build_config_from_dict  # noqa: E402
-from tokenloom.source.keys import canonical_json, hash_key  # noqa: E402
-from tokenloom.errors import ConfigError  # noqa: E402
+from tokenloom.builder.config import build_config_from_dict
+from tokenloom.errors import ConfigError
+from tokenloom.index import BlendSpec
+from tokenloom.source.keys import canonical_json, hash_key
 
 
 def test_megatron_data_path_list_parses_weights_and_prefixes():

@@ -4,17 +4,12 @@ shared filesystem. One launch of three ranks runs the scenarios in sequence (tor
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-from build_fixtures import blend_config, cache_files, launch, make_stores  # noqa: E402
+from build_fixtures import blend_config, cache_files, launch, make_stores
 
 pytest.importorskip("torch.distributed")
 
-import tokenloom.builder as tb  # noqa: E402
+import tokenloom.builder as tb
 
 WORLD = 3
 

@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
 import pytest
+from build_fixtures import NULL_TOKENIZER, write_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from build_fixtures import NULL_TOKENIZER, write_store  # noqa: E402
-
 pytest.importorskip("megatron.core")
-from megatron_fixtures import megatron_build_without_building, megatron_datasets  # noqa: E402
+from megatron_fixtures import megatron_build_without_building, megatron_datasets
 
-import tokenloom.builder as tb  # noqa: E402
+import tokenloom.builder as tb
 
 SPLIT_NAMES = ("train", "valid", "test")
 
