@@ -109,7 +109,7 @@ class _PairsIterator:
     ``Stateful`` protocol)."""
 
     def __init__(self, owner: "StatefulBatchSampler") -> None:
-        self._sampler = owner._fresh()
+        self._sampler = owner._start.copy()
         self._whole_steps = owner.whole_steps
 
     def __iter__(self) -> "_PairsIterator":
@@ -149,23 +149,17 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         self._start = MicroBatchSampler(source, geometry, dp_rank=dp_rank, max_steps=max_steps)
         self.whole_steps = whole_steps
 
-    def _fresh(self) -> MicroBatchSampler:
-        s = self._start
-        copy = MicroBatchSampler(s.stream, s.geometry, dp_rank=s.dp_rank, max_steps=s.max_steps)
-        copy._set(s.step, s.step_start, s.micro_batch)
-        return copy
-
     def __iter__(self) -> Iterator[np.ndarray]:
         return _PairsIterator(self)
 
     def __len__(self) -> int:
         if not self.whole_steps:
             return len(self._start)
-        probe = self._fresh()
+        probe = self._start.copy()
         count = 0
-        while not probe.exhausted():
+        while not probe.exhausted():  # one item per step, the current one counted whole
             count += 1
-            probe._set(probe.step + 1, probe.step_start + probe.global_batch_size, 0)
+            probe.next_step()
         return count
 
     def state_dict(self) -> dict[str, Any]:
