@@ -6,8 +6,9 @@
         ...
     state = loader.state_dict()   # the same on every rank; resume on any layout
 
-Reads are vectorised: one ``read_samples`` call per micro-batch, one gather per dataset in it
-(a compiled copy from the memory map, or ``read_spans``; see ``tokenloom.source.gather``).
+Reads go through the one batch pipeline, :class:`tokenloom.serve.batch.BatchPipeline`: one
+``read_samples`` call per micro-batch, one gather per dataset in it (a compiled copy from the
+memory map, or ``read_spans``; see ``tokenloom.source``).
 """
 
 from __future__ import annotations
@@ -18,39 +19,23 @@ from typing import Any, Iterator
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.batch import BatchPipeline, check_eod
 from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.sampler import MicroBatchSampler
-from tokenloom.source import SampleSource
+from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
-from tokenloom.serve.topology import LoadMode, Topology, context_parallel_slice
+from tokenloom.serve.topology import LoadMode, Topology
+from tokenloom.source import SampleSource
 
 logger = logging.getLogger(__name__)
 
 
 def read_batch(stream: SampleStream, positions, options: SampleOptions = SampleOptions()) -> dict[str, np.ndarray]:
-    """Every field of the samples at ``positions`` (megatron-core's, plus ``dataset_id``)."""
-    source = stream.source
-    rows, dataset_ids = stream.read(positions)
-    eods = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets], dtype=np.int64)
-    fields = build_fields(rows, eod_ids=eods[dataset_ids], pad_id=source.pad_id,
-                          add_extra_token=source.add_extra_token, options=options)
-    # megatron-core's BlendedDataset hands out int16 dataset ids (int32 beyond 32766 datasets)
-    fields["dataset_id"] = dataset_ids.astype(megatron_dataset_id_dtype(len(source.datasets)))
-    return fields
-
-
-def check_eod(source: SampleSource, options: SampleOptions) -> None:
-    """ConfigError when ``options`` act on end-of-document tokens but a dataset has no EOD id."""
-    if not (options.eod_mask_loss or options.reset_position_ids or options.reset_attention_mask):
-        return
-    missing = [d.name for d in source.datasets if d.eod_id is None]
-    if missing:
-        raise ConfigError(
-            f"{options} act on end-of-document tokens but {missing} have no EOD id (no tokenizer record "
-            "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
+    """Every field of the samples at global ``positions`` of ``stream`` (megatron-core's, plus
+    ``dataset_id``): the batch pipeline on the located ``(dataset_id, sample_id)`` pairs."""
+    dataset_ids, sample_ids = stream.locate(positions)  # (B,) int64 each
+    return BatchPipeline(stream.source, options=options).read(dataset_ids, sample_ids)
 
 
 class RankLoader:
@@ -69,6 +54,9 @@ class RankLoader:
         self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank,
                                          max_steps=max_steps)
         check_eod(self.sampler.source, options)
+        self.pipeline = BatchPipeline(self.sampler.source, options=options, fields=self.plan.fields,
+                                      cp_size=self.topology.cp, cp_rank=self.plan.coordinates.cp_rank)
+        """Reads this rank's fields (its stage's, its context-parallel chunks)."""
         self.audit = audit
 
     @property
@@ -89,17 +77,7 @@ class RankLoader:
         self.sampler.advance()
         if not self.plan.loads:
             return None
-        return self.shape_for_rank(read_batch(self.stream, positions, self.options))
-
-    def shape_for_rank(self, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Keep the fields this rank's stage uses and cut its context-parallel chunks."""
-        keep = set(self.plan.fields) | {"dataset_id"}
-        kept = {k: v for k, v in fields.items() if k in keep}
-        cp = self.topology.cp
-        if cp > 1:
-            sequence = {k: v for k, v in kept.items() if k != "dataset_id"}
-            kept.update(context_parallel_slice(sequence, cp, self.plan.coordinates.cp_rank))
-        return kept
+        return self.pipeline.read(*self.stream.locate(positions))
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-free state; identical on every rank."""
