@@ -127,3 +127,27 @@ def test_torch_batch_shapes_match_the_dataset(prefixes):
         assert shapes["dataset_id"] == ((3,), torch.int32)
         batch = ServeDataset(source, options=options, fields=fields, cp_size=cp, cp_rank=cp - 1)[pairs]
         assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == shapes, (options, fields, cp)
+
+
+def test_rank_loaders_share_their_refusals(prefixes, tmp_path):
+    """RankLoader and DistributedBatches set up through one schedule: both refuse a topology of
+    another dp, and EOD options without EOD ids on every rank (a middle stage too)."""
+    pytest.importorskip("torch")
+    from serve_fixtures import write_store
+
+    from tokenloom.serve.torch_adapter import DistributedBatches
+
+    source = _source(prefixes, "exact", True, False)
+    rng = np.random.default_rng(0)
+    bare_prefix = write_store(str(tmp_path / "bare"), [np.append(rng.integers(0, 90, 20), 99) for _ in range(30)],
+                              vocab_size=100, eod_id=None)
+    bare = StoreBlendSource.from_prefixes([bare_prefix], num_samples=20, seq_length=8, seed=1)
+    geometry = BatchGeometry(global_batch_size=4, micro_batch_size=2, dp=2)
+    middle = Topology(dp=2, pp=3).rank_of(pp_rank=1)
+    for make in (lambda src, topo, rank, **kw: RankLoader(src, geometry, topology=topo, rank=rank, **kw),
+                 lambda src, topo, rank, **kw: DistributedBatches(src, geometry, topo, rank, **kw)):
+        with pytest.raises(ConfigError, match="the topology has dp=1 but the batch geometry dp=2"):
+            make(source, Topology(dp=1), 0)
+        with pytest.raises(ConfigError, match="have no EOD id"):
+            make(bare, Topology(dp=2, pp=3), middle, options=SampleOptions(eod_mask_loss=True))
+        assert make(bare, Topology(dp=2, pp=3), middle).next_batch() is None

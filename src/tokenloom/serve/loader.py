@@ -6,8 +6,11 @@
         ...
     state = loader.state_dict()   # the same on every rank; resume on any layout
 
-Reads go through the one batch pipeline, :class:`tokenloom.serve.batch.BatchPipeline`: one
-``read_samples`` call per micro-batch, one gather per dataset in it (a compiled copy from the
+:class:`RankSchedule` is what every per-rank loader shares (this one, the JAX ``HostLoader`` on
+top of it, and the PyTorch ``DistributedBatches``): the micro-batch schedule, the audit, None
+for middle pipeline stages, and the layout-free state. A subclass says how a rank gets one
+micro-batch. Reads go through the one batch pipeline, :class:`tokenloom.serve.batch.BatchPipeline`:
+one ``read_samples`` call per micro-batch, one gather per dataset in it (a compiled copy from the
 memory map, or ``read_spans``; see ``tokenloom.source``).
 """
 
@@ -25,7 +28,7 @@ from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
-from tokenloom.serve.topology import LoadMode, Topology
+from tokenloom.serve.topology import LoadMode, RankPlan, Topology
 from tokenloom.source import SampleSource
 
 logger = logging.getLogger(__name__)
@@ -38,56 +41,89 @@ def read_batch(stream: SampleStream, positions, options: SampleOptions = SampleO
     return BatchPipeline(stream.source, options=options).read(dataset_ids, sample_ids)
 
 
-class RankLoader:
-    """Iterates this rank's micro-batches; every rank advances in step, loaders or not."""
+class RankSchedule:
+    """The schedule one rank follows, whatever it does with the data; every rank advances in step.
 
-    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *,
-                 topology: Topology | None = None, rank: int = 0, options: SampleOptions = SampleOptions(),
-                 mode: LoadMode | str = LoadMode.BROADCAST, max_steps: int | None = None,
-                 audit: MixtureAudit | None = None) -> None:
-        self.topology = topology or Topology(dp=geometry.dp)
-        if self.topology.dp != geometry.dp:
-            raise ConfigError(f"the topology has dp={self.topology.dp} but the batch geometry dp={geometry.dp}; "
+    Sets up the rank's plan and :class:`MicroBatchSampler`, refusing on every rank alike a
+    topology whose dp differs from the geometry's and options that need EOD ids a dataset lacks.
+    :meth:`next_batch` raises StopIteration when no step is left, logs a step to the audit before
+    its first micro-batch, returns None on middle pipeline stages and otherwise what
+    :meth:`_micro_batch` makes of the positions, then advances (a micro-batch whose read raises
+    is not counted as served). The state is the sampler's: layout-free, the same on every rank.
+    """
+
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, topology: Topology, rank: int,
+                 *, options: SampleOptions, mode: LoadMode | str, max_steps: int | None,
+                 audit: MixtureAudit | None) -> None:
+        if topology.dp != geometry.dp:
+            raise ConfigError(f"the topology has dp={topology.dp} but the batch geometry dp={geometry.dp}; "
                               "expected the same data-parallel size")
-        self.plan = self.topology.plan(rank, mode)
+        self.topology = topology
+        self.mode = LoadMode(mode)
+        self.plan: RankPlan = topology.plan(rank, self.mode)
         self.options = options
         self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank,
                                          max_steps=max_steps)
         check_eod(self.sampler.source, options)
-        self.pipeline = BatchPipeline(self.sampler.source, options=options, fields=self.plan.fields,
-                                      cp_size=self.topology.cp, cp_rank=self.plan.coordinates.cp_rank)
-        """Reads this rank's fields (its stage's, its context-parallel chunks)."""
         self.audit = audit
+        """A :class:`~tokenloom.serve.audit.MixtureAudit` (give it to one rank) logs every step."""
 
-    @property
-    def stream(self) -> SampleStream:
-        return self.sampler.stream
+    def _micro_batch(self, positions: np.ndarray):
+        """This rank's micro-batch at ``positions`` (``(micro,)`` int64 global positions), called
+        before the sampler advances past it, on ranks whose stage consumes fields."""
+        raise NotImplementedError
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray] | None]:
+    def __iter__(self) -> Iterator[Any]:
         while not self.sampler.exhausted():
             yield self.next_batch()
 
-    def next_batch(self) -> dict[str, np.ndarray] | None:
-        """This rank's next micro-batch (None when it receives by broadcast or needs nothing)."""
-        if self.sampler.exhausted():
+    def next_batch(self):
+        """This rank's next micro-batch (None on a middle pipeline stage)."""
+        sampler = self.sampler
+        if sampler.exhausted():
             raise StopIteration
-        if self.audit is not None and self.sampler.micro_batch == 0:
-            self.audit.record_step(self.sampler)
-        positions = self.sampler.positions()
-        self.sampler.advance()
-        if not self.plan.loads:
-            return None
-        return self.pipeline.read(*self.stream.locate(positions))
+        if self.audit is not None and sampler.micro_batch == 0:
+            self.audit.record_step(sampler)
+        batch = self._micro_batch(sampler.positions()) if self.plan.fields else None
+        sampler.advance()
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-free state; identical on every rank."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume; when an audit log is attached, the next step's fingerprint is checked against it."""
+        """Resume (on any layout, between steps); when an audit log is attached, the next step's
+        fingerprint is checked against it."""
         self.sampler.load_state_dict(state)
         if self.audit is not None:
             self.audit.check_resume(self.sampler)
+
+
+class RankLoader(RankSchedule):
+    """Iterates this rank's micro-batches as dicts of numpy arrays: the fields of its pipeline
+    stage plus ``dataset_id``, cut to its context-parallel chunks; None on ranks that receive
+    by broadcast (``LoadMode.BROADCAST``, tensor rank > 0) or need nothing."""
+
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *,
+                 topology: Topology | None = None, rank: int = 0, options: SampleOptions = SampleOptions(),
+                 mode: LoadMode | str = LoadMode.BROADCAST, max_steps: int | None = None,
+                 audit: MixtureAudit | None = None) -> None:
+        super().__init__(source, geometry, topology or Topology(dp=geometry.dp), rank, options=options, mode=mode,
+                         max_steps=max_steps, audit=audit)
+        self.pipeline = BatchPipeline(self.sampler.source, options=options, fields=self.plan.fields,
+                                      cp_size=self.topology.cp, cp_rank=self.plan.coordinates.cp_rank)
+        """Reads this rank's fields (its stage's, its context-parallel chunks)."""
+
+    @property
+    def stream(self) -> SampleStream:
+        return self.sampler.stream
+
+    def _micro_batch(self, positions: np.ndarray) -> dict[str, np.ndarray] | None:
+        if not self.plan.loads:
+            return None
+        dataset_ids, sample_ids = self.stream.locate(positions)  # (micro,) int64 each
+        return self.pipeline.read(dataset_ids, sample_ids)
 
     def reweight(self, weights) -> None:
         """Change the blend weights from the next step on (see :meth:`MicroBatchSampler.reweight`)."""
@@ -99,4 +135,4 @@ class RankLoader:
                            stream.source.num_samples)
 
 
-__all__ = ["RankLoader", "read_batch"]
+__all__ = ["RankLoader", "RankSchedule", "read_batch"]

@@ -11,8 +11,9 @@ The batch sampler runs in the main process and turns positions into ``(dataset_i
 pairs (so blend weight changes live in its state); workers read a whole micro-batch with one
 vectorised call (``Dataset.__getitems__``) through serve's one batch pipeline
 (:class:`tokenloom.serve.batch.BatchPipeline`) and only turn its numpy fields into tensors.
-:class:`DistributedBatches` adds the tensor-parallel broadcast: tensor rank 0 of the first and
-last pipeline stages loads, its peers receive.
+:class:`DistributedBatches` follows the schedule every rank loader shares
+(:class:`tokenloom.serve.loader.RankSchedule`) and adds the tensor-parallel broadcast: tensor
+rank 0 of the first and last pipeline stages loads, its peers receive.
 
 Importing this module imports torch; ``import tokenloom.serve`` does not.
 """
@@ -29,10 +30,11 @@ from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema
 from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.loader import RankSchedule
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
-from tokenloom.serve.topology import LoadMode, RankPlan, Topology
+from tokenloom.serve.topology import LoadMode, Topology
 from tokenloom.source import SampleSource
 
 
@@ -231,12 +233,14 @@ def _torch_dtype(dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-class DistributedBatches:
+class DistributedBatches(RankSchedule):
     """This rank's micro-batches in a torch.distributed job, Megatron style.
 
     In ``LoadMode.BROADCAST`` tensor rank 0 of the first and last pipeline stages reads (through
-    a DataLoader with workers, one item per optimizer step) and broadcasts to its tensor peers; in
-    ``EVERY_RANK`` each reads. Middle stages get None. Every rank keeps the same layout-free state.
+    a DataLoader with workers, one item per optimizer step) and broadcasts to its tensor peers
+    (``next_batch`` is a collective inside each tensor group); in ``EVERY_RANK`` each reads.
+    Middle stages get None. Every rank keeps the same layout-free state. Give a
+    :class:`~tokenloom.serve.audit.MixtureAudit` to one rank to log every step.
     """
 
     def __init__(self, source: SampleSource, geometry: BatchGeometry, topology: Topology, rank: int, *,
@@ -244,15 +248,12 @@ class DistributedBatches:
                  tp_group=None, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None,
                  max_steps: int | None = None, device: str | torch.device = "cpu",
                  audit: MixtureAudit | None = None) -> None:
-        self.plan: RankPlan = topology.plan(rank, mode)
-        self.mode = LoadMode(mode)
-        self.topology, self.source, self.geometry, self.options = topology, source, geometry, options
+        super().__init__(source, geometry, topology, rank, options=options, mode=mode, max_steps=max_steps,
+                         audit=audit)
+        self.source, self.geometry = source, geometry
         self.tp_group = tp_group
         self.device = torch.device(device)
         self._loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
-        self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank, max_steps=max_steps)
-        self.audit = audit
-        """Give a :class:`~tokenloom.serve.audit.MixtureAudit` on one rank to log every step."""
         self._iterator = None
         self._schema: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         if self.mode is LoadMode.BROADCAST and topology.tp > 1 and self.plan.fields and tp_group is None:
@@ -276,23 +277,11 @@ class DistributedBatches:
             self._pending.reverse()
         return self._pending.pop()
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | None]:
-        while not self.sampler.exhausted():
-            yield self.next_batch()
-
-    def next_batch(self) -> dict[str, torch.Tensor] | None:
-        """The next micro-batch on this rank (collective inside a tensor group in BROADCAST)."""
-        if self.sampler.exhausted():
-            raise StopIteration
-        if self.audit is not None and self.sampler.micro_batch == 0:
-            self.audit.record_step(self.sampler)
-        if self.plan.loads and self._iterator is None:
-            self._start_loader()  # from the state before this micro-batch
-        self.sampler.advance()
-        if not self.plan.fields:
-            return None
+    def _micro_batch(self, positions: np.ndarray) -> dict[str, torch.Tensor] | None:
         batch = None
         if self.plan.loads:
+            if self._iterator is None:
+                self._start_loader()  # from the state before this micro-batch
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
         if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
             batch = self._broadcast(batch)
@@ -316,16 +305,10 @@ class DistributedBatches:
             out[name] = tensor.to(dtype)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Layout-free state, the same on every rank."""
-        return self.sampler.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (on any layout, between steps); the DataLoader restarts from there."""
-        self.sampler.load_state_dict(state)
         self._iterator = None
-        if self.audit is not None:
-            self.audit.check_resume(self.sampler)
+        super().load_state_dict(state)
 
 
 __all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes",
