@@ -135,5 +135,5 @@ def test_micro_batch_positions_match_megatron_pretraining_sampler(micro, dp, acc
         theirs = list(Sampler(total_samples=total, consumed_samples=steps_done * geometry.global_batch_size,
                               micro_batch_size=micro, data_parallel_rank=rank, data_parallel_size=dp))
         ours = MicroBatchSampler(positions_only, geometry, dp_rank=rank)
-        ours._set(steps_done, steps_done * geometry.global_batch_size, 0)
+        ours.seek(steps_done, steps_done * geometry.global_batch_size, 0)
         assert [p.tolist() for p in ours] == theirs

@@ -3,9 +3,11 @@
 The last stage of plan -> tokenize -> build -> serve. A build's split (a :class:`SampleSource`)
 becomes one global sample stream; :class:`BatchGeometry` cuts it into steps and micro-batches,
 :class:`Topology` says which rank reads what, and :class:`RankLoader` yields numpy micro-batches
-with megatron-core's fields. The PyTorch and JAX adapters (``tokenloom.serve.torch_adapter``,
-``tokenloom.serve.jax_adapter``) import their frameworks lazily; importing this package imports
-neither.
+with megatron-core's fields. One batch pipeline, :class:`BatchPipeline` (:func:`read_fields`),
+turns ``(dataset_id, sample_id)`` pairs into those fields for every loader, and their shapes and
+dtypes (:func:`field_schema`) are derived from it. The PyTorch and JAX adapters (``tokenloom.serve.torch_adapter``,
+``tokenloom.serve.jax_adapter``) only convert its arrays and import their frameworks lazily;
+importing this package imports neither.
 """
 
 from tokenloom.serve.audit import (
@@ -14,6 +16,7 @@ from tokenloom.serve.audit import (
     read_audit_log,
     summarize_audit,
 )
+from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema, read_fields
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader, read_batch
 from tokenloom.serve.sampler import (
@@ -44,9 +47,11 @@ from tokenloom.source import (
 
 __all__ = [
     "BatchGeometry",
+    "BatchPipeline",
     "BatchSizeSchedule",
     "BlendSegment",
     "DatasetInfo",
+    "FieldSpec",
     "JobReport",
     "LoadMode",
     "MicroBatchSampler",
@@ -67,9 +72,11 @@ __all__ = [
     "check_state",
     "context_parallel_positions",
     "context_parallel_slice",
+    "field_schema",
     "gather_gpt_samples",
     "read_audit_log",
     "read_batch",
+    "read_fields",
     "read_positions",
     "simulate_job",
     "summarize_audit",

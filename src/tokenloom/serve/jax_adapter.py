@@ -27,8 +27,8 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.samples import SampleOptions
-from tokenloom.source import SampleSource
 from tokenloom.serve.topology import Topology
+from tokenloom.source import SampleSource
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,9 @@ class ShardOptions:
 
 
 class HostLoader:
-    """This process's rows of every global batch, as dicts of numpy arrays."""
+    """This process's rows of every global batch, as dicts of numpy arrays: a
+    :class:`~tokenloom.serve.loader.RankLoader` with one data-parallel rank per process, so the
+    fields come from serve's one batch pipeline (:class:`~tokenloom.serve.batch.BatchPipeline`)."""
 
     def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
                  max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:

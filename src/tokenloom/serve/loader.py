@@ -6,8 +6,12 @@
         ...
     state = loader.state_dict()   # the same on every rank; resume on any layout
 
-Reads are vectorised: one ``read_samples`` call per micro-batch, one gather per dataset in it
-(a compiled copy from the memory map, or ``read_spans``; see ``tokenloom.source.gather``).
+:class:`RankSchedule` is what every per-rank loader shares (this one, the JAX ``HostLoader`` on
+top of it, and the PyTorch ``DistributedBatches``): the micro-batch schedule, the audit, None
+for middle pipeline stages, and the layout-free state. A subclass says how a rank gets one
+micro-batch. Reads go through the one batch pipeline, :class:`tokenloom.serve.batch.BatchPipeline`:
+one ``read_samples`` call per micro-batch, one gather per dataset in it (a compiled copy from the
+memory map, or ``read_spans``; see ``tokenloom.source``).
 """
 
 from __future__ import annotations
@@ -18,98 +22,108 @@ from typing import Any, Iterator
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.batch import BatchPipeline, check_eod
 from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.sampler import MicroBatchSampler
-from tokenloom.source import SampleSource
+from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
-from tokenloom.serve.topology import LoadMode, Topology, context_parallel_slice
+from tokenloom.serve.topology import LoadMode, RankPlan, Topology
+from tokenloom.source import SampleSource
 
 logger = logging.getLogger(__name__)
 
 
 def read_batch(stream: SampleStream, positions, options: SampleOptions = SampleOptions()) -> dict[str, np.ndarray]:
-    """Every field of the samples at ``positions`` (megatron-core's, plus ``dataset_id``)."""
-    source = stream.source
-    rows, dataset_ids = stream.read(positions)
-    eods = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets], dtype=np.int64)
-    fields = build_fields(rows, eod_ids=eods[dataset_ids], pad_id=source.pad_id,
-                          add_extra_token=source.add_extra_token, options=options)
-    # megatron-core's BlendedDataset hands out int16 dataset ids (int32 beyond 32766 datasets)
-    fields["dataset_id"] = dataset_ids.astype(megatron_dataset_id_dtype(len(source.datasets)))
-    return fields
+    """Every field of the samples at global ``positions`` of ``stream`` (megatron-core's, plus
+    ``dataset_id``): the batch pipeline on the located ``(dataset_id, sample_id)`` pairs."""
+    dataset_ids, sample_ids = stream.locate(positions)  # (B,) int64 each
+    return BatchPipeline(stream.source, options=options).read(dataset_ids, sample_ids)
 
 
-def check_eod(source: SampleSource, options: SampleOptions) -> None:
-    """ConfigError when ``options`` act on end-of-document tokens but a dataset has no EOD id."""
-    if not (options.eod_mask_loss or options.reset_position_ids or options.reset_attention_mask):
-        return
-    missing = [d.name for d in source.datasets if d.eod_id is None]
-    if missing:
-        raise ConfigError(
-            f"{options} act on end-of-document tokens but {missing} have no EOD id (no tokenizer record "
-            "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
+class RankSchedule:
+    """The schedule one rank follows, whatever it does with the data; every rank advances in step.
 
+    Sets up the rank's plan and :class:`MicroBatchSampler`, refusing on every rank alike a
+    topology whose dp differs from the geometry's and options that need EOD ids a dataset lacks.
+    :meth:`next_batch` raises StopIteration when no step is left, logs a step to the audit before
+    its first micro-batch, returns None on middle pipeline stages and otherwise what
+    :meth:`_micro_batch` makes of the positions, then advances (a micro-batch whose read raises
+    is not counted as served). The state is the sampler's: layout-free, the same on every rank.
+    """
 
-class RankLoader:
-    """Iterates this rank's micro-batches; every rank advances in step, loaders or not."""
-
-    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *,
-                 topology: Topology | None = None, rank: int = 0, options: SampleOptions = SampleOptions(),
-                 mode: LoadMode | str = LoadMode.BROADCAST, max_steps: int | None = None,
-                 audit: MixtureAudit | None = None) -> None:
-        self.topology = topology or Topology(dp=geometry.dp)
-        if self.topology.dp != geometry.dp:
-            raise ConfigError(f"the topology has dp={self.topology.dp} but the batch geometry dp={geometry.dp}; "
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, topology: Topology, rank: int,
+                 *, options: SampleOptions, mode: LoadMode | str, max_steps: int | None,
+                 audit: MixtureAudit | None) -> None:
+        if topology.dp != geometry.dp:
+            raise ConfigError(f"the topology has dp={topology.dp} but the batch geometry dp={geometry.dp}; "
                               "expected the same data-parallel size")
-        self.plan = self.topology.plan(rank, mode)
+        self.topology = topology
+        self.mode = LoadMode(mode)
+        self.plan: RankPlan = topology.plan(rank, self.mode)
         self.options = options
         self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank,
                                          max_steps=max_steps)
         check_eod(self.sampler.source, options)
         self.audit = audit
+        """A :class:`~tokenloom.serve.audit.MixtureAudit` (give it to one rank) logs every step."""
 
-    @property
-    def stream(self) -> SampleStream:
-        return self.sampler.stream
+    def _micro_batch(self, positions: np.ndarray):
+        """This rank's micro-batch at ``positions`` (``(micro,)`` int64 global positions), called
+        before the sampler advances past it, on ranks whose stage consumes fields."""
+        raise NotImplementedError
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray] | None]:
+    def __iter__(self) -> Iterator[Any]:
         while not self.sampler.exhausted():
             yield self.next_batch()
 
-    def next_batch(self) -> dict[str, np.ndarray] | None:
-        """This rank's next micro-batch (None when it receives by broadcast or needs nothing)."""
-        if self.sampler.exhausted():
+    def next_batch(self):
+        """This rank's next micro-batch (None on a middle pipeline stage)."""
+        sampler = self.sampler
+        if sampler.exhausted():
             raise StopIteration
-        if self.audit is not None and self.sampler.micro_batch == 0:
-            self.audit.record_step(self.sampler)
-        positions = self.sampler.positions()
-        self.sampler.advance()
-        if not self.plan.loads:
-            return None
-        return self.shape_for_rank(read_batch(self.stream, positions, self.options))
-
-    def shape_for_rank(self, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Keep the fields this rank's stage uses and cut its context-parallel chunks."""
-        keep = set(self.plan.fields) | {"dataset_id"}
-        kept = {k: v for k, v in fields.items() if k in keep}
-        cp = self.topology.cp
-        if cp > 1:
-            sequence = {k: v for k, v in kept.items() if k != "dataset_id"}
-            kept.update(context_parallel_slice(sequence, cp, self.plan.coordinates.cp_rank))
-        return kept
+        if self.audit is not None and sampler.micro_batch == 0:
+            self.audit.record_step(sampler)
+        batch = self._micro_batch(sampler.positions()) if self.plan.fields else None
+        sampler.advance()
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-free state; identical on every rank."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume; when an audit log is attached, the next step's fingerprint is checked against it."""
+        """Resume (on any layout, between steps); when an audit log is attached, the next step's
+        fingerprint is checked against it."""
         self.sampler.load_state_dict(state)
         if self.audit is not None:
             self.audit.check_resume(self.sampler)
+
+
+class RankLoader(RankSchedule):
+    """Iterates this rank's micro-batches as dicts of numpy arrays: the fields of its pipeline
+    stage plus ``dataset_id``, cut to its context-parallel chunks; None on ranks that receive
+    by broadcast (``LoadMode.BROADCAST``, tensor rank > 0) or need nothing."""
+
+    def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *,
+                 topology: Topology | None = None, rank: int = 0, options: SampleOptions = SampleOptions(),
+                 mode: LoadMode | str = LoadMode.BROADCAST, max_steps: int | None = None,
+                 audit: MixtureAudit | None = None) -> None:
+        super().__init__(source, geometry, topology or Topology(dp=geometry.dp), rank, options=options, mode=mode,
+                         max_steps=max_steps, audit=audit)
+        self.pipeline = BatchPipeline(self.sampler.source, options=options, fields=self.plan.fields,
+                                      cp_size=self.topology.cp, cp_rank=self.plan.coordinates.cp_rank)
+        """Reads this rank's fields (its stage's, its context-parallel chunks)."""
+
+    @property
+    def stream(self) -> SampleStream:
+        return self.sampler.stream
+
+    def _micro_batch(self, positions: np.ndarray) -> dict[str, np.ndarray] | None:
+        if not self.plan.loads:
+            return None
+        dataset_ids, sample_ids = self.stream.locate(positions)  # (micro,) int64 each
+        return self.pipeline.read(dataset_ids, sample_ids)
 
     def reweight(self, weights) -> None:
         """Change the blend weights from the next step on (see :meth:`MicroBatchSampler.reweight`)."""
@@ -121,4 +135,4 @@ class RankLoader:
                            stream.source.num_samples)
 
 
-__all__ = ["RankLoader", "read_batch"]
+__all__ = ["RankLoader", "RankSchedule", "read_batch"]

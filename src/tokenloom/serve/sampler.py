@@ -13,8 +13,8 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.source import SampleSource
 from tokenloom.serve.stream import BlendSegment, SampleStream
+from tokenloom.source import SampleSource
 
 STATE_FORMAT = "tokenloom-serve-state"
 SCHEMA_VERSION = 1
@@ -83,9 +83,13 @@ class MicroBatchSampler:
         """Move past one micro-step (and to the next step after the last one)."""
         self.micro_batch += 1
         if self.micro_batch == self.num_micro_batches:
-            self.step_start += self.global_batch_size
-            self.step += 1
-            self.micro_batch = 0
+            self.next_step()
+
+    def next_step(self) -> None:
+        """Move to the start of the next step, past the current step's remaining micro-batches."""
+        self.step_start += self.global_batch_size
+        self.step += 1
+        self.micro_batch = 0
 
     def __iter__(self) -> Iterator[np.ndarray]:
         while not self.exhausted():
@@ -95,18 +99,33 @@ class MicroBatchSampler:
 
     def __len__(self) -> int:
         """Micro-batches left for this rank."""
-        probe = MicroBatchSampler(self.stream, self.geometry, dp_rank=self.dp_rank, max_steps=self.max_steps)
-        probe._set(self.step, self.step_start, self.micro_batch)
+        probe = self.copy()
         count = 0
         while not probe.exhausted():
-            remaining = probe.num_micro_batches - probe.micro_batch
-            count += remaining
-            probe.micro_batch = 0
-            probe.step_start += probe.global_batch_size
-            probe.step += 1
+            count += probe.num_micro_batches - probe.micro_batch
+            probe.next_step()
         return count
 
-    def _set(self, step: int, step_start: int, micro_batch: int) -> None:
+    # -- copy and seek --------------------------------------------------------------------------
+    def copy(self) -> "MicroBatchSampler":
+        """An independent sampler of the same stream, rank and limit, at the same place (what an
+        iterator or a probe advances without moving this one)."""
+        twin = MicroBatchSampler(self.stream, self.geometry, dp_rank=self.dp_rank, max_steps=self.max_steps)
+        twin.seek(self.step, self.step_start, self.micro_batch)
+        return twin
+
+    def seek(self, step: int, step_start: int, micro_batch: int = 0) -> None:
+        """Continue ``micro_batch`` micro-steps into optimizer step ``step`` (0-based), which
+        starts after ``step_start`` global samples. The caller keeps ``step_start`` on the
+        geometry's schedule (it is the sum of the global batch sizes of steps ``[0, step)``)."""
+        for name, value in (("step", step), ("step_start", step_start), ("micro_batch", micro_batch)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
+        if micro_batch:  # 0 is in every step
+            micro_batches = self.geometry.num_micro_batches_for(self.geometry.global_batch_size_at(int(step_start)))
+            if micro_batch >= micro_batches:
+                raise ConfigError(f"micro_batch={micro_batch}; the step starting after {step_start} samples has "
+                                  f"{micro_batches} micro-batches, so expected an integer in [0, {micro_batches})")
         self.step, self.step_start, self.micro_batch = int(step), int(step_start), int(micro_batch)
 
     # -- weights --------------------------------------------------------------------------------
@@ -144,8 +163,9 @@ class MicroBatchSampler:
                 f"{self.geometry.samples_per_micro_step}. Resume on another layout from a state "
                 "saved between steps")
         segments = tuple(BlendSegment.from_dict(s) for s in state.get("blend_segments", []))
-        self.stream = SampleStream(self.source, segments)
-        self._set(int(state["step"]), int(state["step_start_samples"]), micro_batch)
+        stream = SampleStream(self.source, segments)
+        self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
+        self.stream = stream
 
 
 def check_state(state: dict[str, Any], build_key: str) -> None:

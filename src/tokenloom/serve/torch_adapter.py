@@ -9,8 +9,11 @@
 
 The batch sampler runs in the main process and turns positions into ``(dataset_id, sample_id)``
 pairs (so blend weight changes live in its state); workers read a whole micro-batch with one
-vectorised call (``Dataset.__getitems__``). :class:`DistributedBatches` adds the tensor-parallel
-broadcast: tensor rank 0 of the first and last pipeline stages loads, its peers receive.
+vectorised call (``Dataset.__getitems__``) through serve's one batch pipeline
+(:class:`tokenloom.serve.batch.BatchPipeline`) and only turn its numpy fields into tensors.
+:class:`DistributedBatches` follows the schedule every rank loader shares
+(:class:`tokenloom.serve.loader.RankSchedule`) and adds the tensor-parallel broadcast: tensor
+rank 0 of the first and last pipeline stages loads, its peers receive.
 
 Importing this module imports torch; ``import tokenloom.serve`` does not.
 """
@@ -24,15 +27,15 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema
 from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.serve.loader import check_eod
+from tokenloom.serve.loader import RankSchedule
 from tokenloom.serve.sampler import MicroBatchSampler
-from tokenloom.serve.samples import SampleOptions, build_fields
-from tokenloom.source import SampleSource
+from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
-from tokenloom.serve.topology import LoadMode, RankPlan, Topology, context_parallel_slice
+from tokenloom.serve.topology import LoadMode, Topology
+from tokenloom.source import SampleSource
 
 
 def _unpack(buffer: torch.Tensor, layout: tuple) -> "PackedBatch":
@@ -66,8 +69,8 @@ class ServeDataset(torch.utils.data.Dataset):
     """Reads micro-batches given as ``(B, 2)`` int64 arrays of ``(dataset_id, sample_id)`` rows.
 
     ``fields`` keeps only the named fields (a pipeline stage's), ``cp`` cuts context-parallel
-    chunks. ``dataset[pairs]`` and ``dataset.__getitems__(pairs)`` return one batch as a dict of
-    tensors.
+    chunks (see :class:`~tokenloom.serve.batch.BatchPipeline`). ``dataset[pairs]`` and
+    ``dataset.__getitems__(pairs)`` return one batch as a :class:`PackedBatch` of tensors.
     """
 
     def __init__(self, source: SampleSource, *, options: SampleOptions = SampleOptions(),
@@ -77,24 +80,15 @@ class ServeDataset(torch.utils.data.Dataset):
         self.options = options
         self.fields = fields
         self.cp_size, self.cp_rank = cp_size, cp_rank
-        self._eods = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets], dtype=np.int64)
-        self._id_dtype = megatron_dataset_id_dtype(len(source.datasets))
+        self.pipeline = BatchPipeline(source, options=options, fields=fields, cp_size=cp_size, cp_rank=cp_rank)
 
     def __len__(self) -> int:
         return self.source.num_samples
 
     def __getitems__(self, pairs) -> dict[str, torch.Tensor]:
-        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-        rows = self.source.read_samples(pairs[:, 0], pairs[:, 1])  # (B, seq_length + extra)
-        fields = build_fields(rows, eod_ids=self._eods[pairs[:, 0]], pad_id=self.source.pad_id,
-                              add_extra_token=self.source.add_extra_token, options=self.options)
-        if self.fields is not None:
-            fields = {k: v for k, v in fields.items() if k in self.fields}
-        if self.cp_size > 1:
-            fields = context_parallel_slice(fields, self.cp_size, self.cp_rank)
-        out = PackedBatch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()})
-        out["dataset_id"] = torch.from_numpy(pairs[:, 0].astype(self._id_dtype))
-        return out
+        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)  # (B, 2) (dataset_id, sample_id)
+        fields = self.pipeline.read(pairs[:, 0], pairs[:, 1])
+        return PackedBatch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()})
 
     __getitem__ = __getitems__
 
@@ -109,7 +103,7 @@ class _PairsIterator:
     ``Stateful`` protocol)."""
 
     def __init__(self, owner: "StatefulBatchSampler") -> None:
-        self._sampler = owner._fresh()
+        self._sampler = owner._start.copy()
         self._whole_steps = owner.whole_steps
 
     def __iter__(self) -> "_PairsIterator":
@@ -149,23 +143,17 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         self._start = MicroBatchSampler(source, geometry, dp_rank=dp_rank, max_steps=max_steps)
         self.whole_steps = whole_steps
 
-    def _fresh(self) -> MicroBatchSampler:
-        s = self._start
-        copy = MicroBatchSampler(s.stream, s.geometry, dp_rank=s.dp_rank, max_steps=s.max_steps)
-        copy._set(s.step, s.step_start, s.micro_batch)
-        return copy
-
     def __iter__(self) -> Iterator[np.ndarray]:
         return _PairsIterator(self)
 
     def __len__(self) -> int:
         if not self.whole_steps:
             return len(self._start)
-        probe = self._fresh()
+        probe = self._start.copy()
         count = 0
-        while not probe.exhausted():
+        while not probe.exhausted():  # one item per step, the current one counted whole
             count += 1
-            probe._set(probe.step + 1, probe.step_start + probe.global_batch_size, 0)
+            probe.next_step()
         return count
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,26 +222,25 @@ def tensor_parallel_group(topology: Topology, rank: int):
 
 def batch_shapes(source: SampleSource, micro_batch_size: int, fields: tuple[str, ...], cp_size: int,
                  options: SampleOptions) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every field a rank receives (what a broadcast receiver allocates)."""
-    seq = source.seq_length
-    local = seq // cp_size
-    spec = {"tokens": ((micro_batch_size, local), torch.int64), "labels": ((micro_batch_size, local), torch.int64),
-            "loss_mask": ((micro_batch_size, local), torch.float32),
-            "position_ids": ((micro_batch_size, local), torch.int64),
-            "attention_mask": ((micro_batch_size, 1, local, seq), torch.bool)}
-    keep = [f for f in fields if f in spec and (f != "attention_mask" or options.create_attention_mask)]
-    out = {f: spec[f] for f in keep}
-    id_dtype = torch.int16 if megatron_dataset_id_dtype(len(source.datasets)) == np.int16 else torch.int32
-    out["dataset_id"] = ((micro_batch_size,), id_dtype)
-    return out
+    """Shape and torch dtype of every field a rank receives (what a broadcast receiver
+    allocates), in the order the pipeline returns them: :func:`~tokenloom.serve.batch.field_schema`."""
+    schema = field_schema(source, micro_batch_size, options=options, fields=fields, cp_size=cp_size)
+    return {name: (spec.shape, _torch_dtype(spec.dtype)) for name, spec in schema.items()}
 
 
-class DistributedBatches:
+def _torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype ``torch.from_numpy`` gives an array of numpy ``dtype``."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+class DistributedBatches(RankSchedule):
     """This rank's micro-batches in a torch.distributed job, Megatron style.
 
     In ``LoadMode.BROADCAST`` tensor rank 0 of the first and last pipeline stages reads (through
-    a DataLoader with workers, one item per optimizer step) and broadcasts to its tensor peers; in
-    ``EVERY_RANK`` each reads. Middle stages get None. Every rank keeps the same layout-free state.
+    a DataLoader with workers, one item per optimizer step) and broadcasts to its tensor peers
+    (``next_batch`` is a collective inside each tensor group); in ``EVERY_RANK`` each reads.
+    Middle stages get None. Every rank keeps the same layout-free state. Give a
+    :class:`~tokenloom.serve.audit.MixtureAudit` to one rank to log every step.
     """
 
     def __init__(self, source: SampleSource, geometry: BatchGeometry, topology: Topology, rank: int, *,
@@ -261,16 +248,14 @@ class DistributedBatches:
                  tp_group=None, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None,
                  max_steps: int | None = None, device: str | torch.device = "cpu",
                  audit: MixtureAudit | None = None) -> None:
-        self.plan: RankPlan = topology.plan(rank, mode)
-        self.mode = LoadMode(mode)
-        self.topology, self.source, self.geometry, self.options = topology, source, geometry, options
+        super().__init__(source, geometry, topology, rank, options=options, mode=mode, max_steps=max_steps,
+                         audit=audit)
+        self.source, self.geometry = source, geometry
         self.tp_group = tp_group
         self.device = torch.device(device)
         self._loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
-        self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank, max_steps=max_steps)
-        self.audit = audit
-        """Give a :class:`~tokenloom.serve.audit.MixtureAudit` on one rank to log every step."""
         self._iterator = None
+        self._schema: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         if self.mode is LoadMode.BROADCAST and topology.tp > 1 and self.plan.fields and tp_group is None:
             raise ConfigError("LoadMode.BROADCAST with tp > 1 needs tp_group (see tensor_parallel_group)")
 
@@ -292,35 +277,26 @@ class DistributedBatches:
             self._pending.reverse()
         return self._pending.pop()
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | None]:
-        while not self.sampler.exhausted():
-            yield self.next_batch()
-
-    def next_batch(self) -> dict[str, torch.Tensor] | None:
-        """The next micro-batch on this rank (collective inside a tensor group in BROADCAST)."""
-        if self.sampler.exhausted():
-            raise StopIteration
-        if self.audit is not None and self.sampler.micro_batch == 0:
-            self.audit.record_step(self.sampler)
-        if self.plan.loads and self._iterator is None:
-            self._start_loader()  # from the state before this micro-batch
-        self.sampler.advance()
-        if not self.plan.fields:
-            return None
+    def _micro_batch(self, positions: np.ndarray) -> dict[str, torch.Tensor] | None:
         batch = None
         if self.plan.loads:
+            if self._iterator is None:
+                self._start_loader()  # from the state before this micro-batch
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
         if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
             batch = self._broadcast(batch)
         return batch
 
     def _broadcast(self, batch):
-        spec = batch_shapes(self.source, self.geometry.micro_batch_size, self.plan.fields, self.topology.cp, self.options)
+        if self._schema is None:
+            self._schema = batch_shapes(self.source, self.geometry.micro_batch_size, self.plan.fields,
+                                        self.topology.cp, self.options)
         source_rank = self.plan.tensor_group[0]
         out = {}
-        for name, (shape, dtype) in spec.items():
+        for name, (shape, dtype) in self._schema.items():
             # gloo has no bool or int16 broadcast: send those as int64 / uint8
-            wire = torch.uint8 if dtype == torch.bool else (torch.int64 if dtype in (torch.int16, torch.int32) else dtype)
+            wire = (torch.uint8 if dtype == torch.bool
+                    else torch.int64 if dtype in (torch.int16, torch.int32) else dtype)
             if batch is not None:
                 tensor = batch[name].to(wire).contiguous()
             else:
@@ -329,17 +305,11 @@ class DistributedBatches:
             out[name] = tensor.to(dtype)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Layout-free state, the same on every rank."""
-        return self.sampler.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (on any layout, between steps); the DataLoader restarts from there."""
-        self.sampler.load_state_dict(state)
         self._iterator = None
-        if self.audit is not None:
-            self.audit.check_resume(self.sampler)
+        super().load_state_dict(state)
 
 
-__all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes", "build_dataloader",
-           "passthrough_collate", "tensor_parallel_group"]
+__all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes",
+           "build_dataloader", "passthrough_collate", "tensor_parallel_group"]

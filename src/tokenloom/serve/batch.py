@@ -1,0 +1,120 @@
+"""The batch pipeline: ``(dataset_id, sample_id)`` pairs -> every field one rank consumes.
+
+Every loader in serve -- :class:`~tokenloom.serve.loader.RankLoader` (and the JAX ``HostLoader``
+on top of it), the PyTorch ``ServeDataset`` -- turns a micro-batch into numpy fields with one
+:class:`BatchPipeline`; the framework adapters only wrap the arrays. For ``B`` pairs it
+
+1. reads the rows: ``source.read_samples`` -> ``(B, seq_length + add_extra_token)`` tokens;
+2. builds megatron-core's fields (:func:`~tokenloom.serve.samples.build_fields`), each row with
+   its own dataset's EOD id;
+3. keeps the fields a pipeline stage consumes (``fields``; None keeps all);
+4. cuts the context-parallel rank's two sequence chunks
+   (:func:`~tokenloom.serve.topology.context_parallel_slice`);
+5. adds ``dataset_id``, ``(B,)`` in megatron-core's dtype (int16, int32 beyond 32766 datasets).
+
+:meth:`BatchPipeline.schema` is the shape and dtype of every field of a micro-batch (what a
+tensor-parallel broadcast receiver allocates). It is not a table kept beside the code: it runs
+steps 2-5 on one synthetic row of the source's length, so it changes whenever the pipeline does
+and cannot drift from it. Every field's first axis is the batch, which the schema sets to the
+micro-batch size. :func:`read_fields` and :func:`field_schema` are the same for a one-off call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
+from tokenloom.serve.samples import SampleOptions, build_fields
+from tokenloom.serve.topology import context_parallel_slice
+from tokenloom.source import SampleSource
+
+
+class FieldSpec(NamedTuple):
+    """Shape and dtype of one field of a micro-batch."""
+
+    shape: tuple[int, ...]
+    """The field's shape; its first axis is the micro-batch."""
+    dtype: np.dtype
+    """The numpy dtype the pipeline returns."""
+
+
+class BatchPipeline:
+    """``(dataset_id, sample_id)`` pairs of ``source`` -> the numpy fields one rank consumes.
+
+    ``fields``: the names a pipeline stage keeps (``RankPlan.fields``); None keeps all of them,
+    and ``dataset_id`` is always there. ``cp_size``/``cp_rank`` cut the sequence axes to one
+    context-parallel rank's chunks. The per-dataset constants (EOD ids, the dataset id dtype)
+    are looked up once here, not per micro-batch.
+    """
+
+    def __init__(self, source: SampleSource, *, options: SampleOptions = SampleOptions(),
+                 fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0) -> None:
+        self.source = source
+        self.options = options
+        self.fields = None if fields is None else tuple(fields)
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self._eod_ids = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets],
+                                 dtype=np.int64)  # (num_datasets,) -1: no EOD id
+        # megatron-core's BlendedDataset hands out int16 dataset ids (int32 beyond 32766 datasets)
+        self._id_dtype = megatron_dataset_id_dtype(len(source.datasets))
+
+    def read(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
+        """Every field of the samples ``(dataset_ids[k], sample_ids[k])``; see the module docstring."""
+        dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
+        rows = self.source.read_samples(dataset_ids, sample_ids)  # (B, seq_length + add_extra_token)
+        return self.from_rows(rows, dataset_ids)
+
+    def from_rows(self, rows: np.ndarray, dataset_ids) -> dict[str, np.ndarray]:
+        """Steps 2-5 on rows already read: ``rows[k]`` is a sample of dataset ``dataset_ids[k]``."""
+        dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
+        out = build_fields(rows, eod_ids=self._eod_ids[dataset_ids], pad_id=self.source.pad_id,
+                           add_extra_token=self.source.add_extra_token, options=self.options)
+        if self.fields is not None:
+            out = {name: value for name, value in out.items() if name in self.fields}
+        if self.cp_size > 1:  # (B, S) -> (B, S / cp); attention_mask (B, 1, S, S) -> (B, 1, S / cp, S)
+            out = context_parallel_slice(out, self.cp_size, self.cp_rank)
+        out["dataset_id"] = dataset_ids.astype(self._id_dtype)  # (B,)
+        return out
+
+    def schema(self, micro_batch_size: int) -> dict[str, FieldSpec]:
+        """Name -> :class:`FieldSpec` of every field :meth:`read` returns for ``micro_batch_size``
+        samples, in the same order: :meth:`from_rows` on one synthetic row, its first axis set
+        to ``micro_batch_size``."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, (int, np.integer)) \
+                or micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
+        row = np.zeros((1, self.source.seq_length + int(self.source.add_extra_token)), dtype=np.int64)  # (1, width)
+        one = self.from_rows(row, np.zeros(1, dtype=np.int64))
+        return {name: FieldSpec((int(micro_batch_size),) + value.shape[1:], value.dtype) for name, value in one.items()}
+
+
+def read_fields(source: SampleSource, dataset_ids, sample_ids, *, options: SampleOptions = SampleOptions(),
+                fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0) -> dict[str, np.ndarray]:
+    """Every field of the samples ``(dataset_ids[k], sample_ids[k])`` of ``source``:
+    ``BatchPipeline(source, ...).read(dataset_ids, sample_ids)``."""
+    return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size,
+                         cp_rank=cp_rank).read(dataset_ids, sample_ids)
+
+
+def field_schema(source: SampleSource, micro_batch_size: int, *, options: SampleOptions = SampleOptions(),
+                 fields: tuple[str, ...] | None = None, cp_size: int = 1) -> dict[str, FieldSpec]:
+    """Name -> :class:`FieldSpec` of every field :func:`read_fields` returns for a micro-batch of
+    ``micro_batch_size`` samples: ``BatchPipeline(source, ...).schema(micro_batch_size)``."""
+    return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size)
+
+
+def check_eod(source: SampleSource, options: SampleOptions) -> None:
+    """ConfigError when ``options`` act on end-of-document tokens but a dataset has no EOD id."""
+    if not (options.eod_mask_loss or options.reset_position_ids or options.reset_attention_mask):
+        return
+    missing = [d.name for d in source.datasets if d.eod_id is None]
+    if missing:
+        raise ConfigError(
+            f"{options} act on end-of-document tokens but {missing} have no EOD id (no tokenizer record "
+            "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
+
+
+__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "field_schema", "read_fields"]
