@@ -14,6 +14,7 @@ best of ``--repeat`` runs; kernels are compiled before timing.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -101,7 +102,8 @@ def main(argv=None) -> int:
                     raise SystemExit(f"megatron_blend differs from megatron-core at D={num_datasets}, size={size}")
                 del core
             if threaded:
-                t_threads, theirs = best_of(args.repeat, lambda: megatron_blend(weights, size, threads=args.threads))
+                t_threads, theirs = best_of(args.repeat,
+                                            functools.partial(megatron_blend, weights, size, threads=args.threads))
                 if not (np.array_equal(theirs[0], ours[0]) and np.array_equal(theirs[1], ours[1])):
                     raise SystemExit(f"megatron_blend on {args.threads} threads differs at D={num_datasets}, "
                                      f"size={size}")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
             blend = Blend(weights, size)
             t_mat, plain = best_of(args.repeat, blend.materialize)
             if threaded:
-                t_mat_threads, split = best_of(args.repeat, lambda: blend.materialize(threads=args.threads))
+                t_mat_threads, split = best_of(args.repeat, functools.partial(blend.materialize, threads=args.threads))
                 if not (np.array_equal(split[0], plain[0]) and np.array_equal(split[1], plain[1])):
                     raise SystemExit(f"Blend.materialize on {args.threads} threads differs at D={num_datasets}, "
                                      f"size={size}")
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
             t_look, _ = best_of(args.repeat, blend.lookup, positions)
             del positions
 
-            def ratio(t):
+            def ratio(t, t_core=t_core, run_megatron=run_megatron):
                 return f"{t_core / t:.1f}" if run_megatron else "-"
 
             core_cell = f"{t_core:.3f}" if run_megatron else "skipped"

@@ -158,7 +158,8 @@ def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None
             import tokenloom.builder as tb
             from tokenloom.index import BlendSpec
 
-            config = tb.BuildConfig(seq_length=seq_length, blend=BlendSpec(prefixes=(prefix,), weights=(1.0,)), split="1,0,0",
+            config = tb.BuildConfig(seq_length=seq_length, blend=BlendSpec(prefixes=(prefix,), weights=(1.0,)),
+                                    split="1,0,0",
                                     train_samples=num_samples, valid_samples=0, test_samples=0, seed=1,
                                     cache_dir=prefix + ".cache")
             source = tb.build(config).split("train")
@@ -188,7 +189,8 @@ def bench_memory(args, directory) -> list[dict]:
             result = subprocess.run([sys.executable, __file__, "--rss-child", kind, prefix, "--seq-length",
                                      str(args.seq_length), "--micro-batch", str(args.micro_batch)],
                                     capture_output=True, text=True, check=True)
-            rows.append({"documents": num_documents, "kind": kind, **json.loads(result.stdout.strip().splitlines()[-1])})
+            measured = json.loads(result.stdout.strip().splitlines()[-1])
+            rows.append({"documents": num_documents, "kind": kind, **measured})
         for suffix in (".bin", ".idx", ".meta.json"):
             os.remove(prefix + suffix)
         shutil.rmtree(prefix + ".cache", ignore_errors=True)

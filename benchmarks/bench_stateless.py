@@ -23,12 +23,12 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_index import _reset_peak_rss, _status_kib, build_megatron_core, synthetic_lengths  # noqa: E402
+from bench_index import _reset_peak_rss, _status_kib, build_megatron_core, synthetic_lengths
 
 RANDOM_ACCESS_QUERIES = 1_000_000
 
@@ -138,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     for (size, mode), r in results.items():
         base = results.get((size, peer))
         speedup = f"{base['cpu_s'] / r['cpu_s']:.1f}x" if base else "n/a"
-        memory = f"{100 * r['build_rss_kib'] / base['build_rss_kib']:.1f}%" if base and base["build_rss_kib"] > 0 else "n/a"
+        has_base = base and base["build_rss_kib"] > 0
+        memory = f"{100 * r['build_rss_kib'] / base['build_rss_kib']:.1f}%" if has_base else "n/a"
         index_bytes = f"{r['index_bytes'] / 2**20:.1f} MiB" if "index_bytes" in r else "-"
         spans = f"{r['spans_per_s']:.3g}" if "spans_per_s" in r else "-"
         bounds = f"{r['bounds_per_s']:.3g}" if "bounds_per_s" in r else "-"
         print(f"| {size:.0e} | {mode} | {r['rows']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {speedup} | "
-              f"{_gib(r['peak_rss_kib'])} | {_gib(r['build_rss_kib'])} | {memory} | {index_bytes} | {spans} | {bounds} |")
+              f"{_gib(r['peak_rss_kib'])} | {_gib(r['build_rss_kib'])} | {memory} | {index_bytes} | {spans} | "
+              f"{bounds} |")
     return 0
 
 

@@ -55,7 +55,9 @@ def bench_write(n: int, directory: str, megatron: bool) -> list[tuple[str, float
                 w.write(as_lists[0], None, as_lists[1])
 
         rows.append(("megatron-core _IndexWriter", timed(theirs)))
-        same = open(os.path.join(directory, "ours.idx"), "rb").read() == open(os.path.join(directory, "theirs.idx"), "rb").read()
+        with open(os.path.join(directory, "ours.idx"), "rb") as ours, \
+                open(os.path.join(directory, "theirs.idx"), "rb") as theirs:
+            same = ours.read() == theirs.read()
         rows.append(("identical bytes", float(same)))
     return rows
 
@@ -92,7 +94,7 @@ def bench_read(prefix: str, reads: int) -> list[tuple[str, float, float]]:
         pass
     rows = []
     for name, get in readers.items():
-        def random_reads():
+        def random_reads(get=get):
             total = 0
             for i in ids.tolist():
                 total += int(get(i)[0])
@@ -129,7 +131,8 @@ def main() -> None:
         print("| writer | seconds |")
         print("|---|---:|")
         for name, value in rows:
-            print(f"| {name} | {value:.2f} |" if name != "identical bytes" else f"| {name} | {'yes' if value else 'NO'} |")
+            cell = ("yes" if value else "NO") if name == "identical bytes" else f"{value:.2f}"
+            print(f"| {name} | {cell} |")
         timings = dict(rows)
         if "megatron-core _IndexWriter" in timings:
             print(f"\nspeed-up: {timings['megatron-core _IndexWriter'] / timings['tokenloom write_index_file']:.1f}x")

@@ -131,14 +131,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tokenloom-bench-tokenize"),
                         help="where the trained tokenizer, the JSONL and the stores go")
-    parser.add_argument("--target-mb", type=float, default=40.0, help="JSONL text size in MB (the sources repeat to reach it)")
+    parser.add_argument("--target-mb", type=float, default=40.0,
+                        help="JSONL text size in MB (the sources repeat to reach it)")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="tokenloom worker counts to measure")
-    parser.add_argument("--repeats", type=int, default=3, help="best of N for every measurement (shared machines are noisy)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="best of N for every measurement (shared machines are noisy)")
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
     args = parser.parse_args()
 
-    from tokenizers import Tokenizer, __version__ as tokenizers_version
+    from tokenizers import Tokenizer
+    from tokenizers import __version__ as tokenizers_version
 
     from tokenloom.tokenization import TokenizeConfig
 
@@ -185,7 +188,7 @@ def main() -> int:
     # keep each row's best wall time and best CPU time.
     best: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for label, (cores, measure) in runs.items():
+        for label, (_, measure) in runs.items():
             wall, cpu, num_tokens = measure()
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
             old = best.get(label, [float("inf"), float("inf"), num_tokens])
@@ -201,7 +204,8 @@ def main() -> int:
           f"tokenizer: byte-level BPE, vocab {tokenizer.get_vocab_size():,}, trained on the same sources; "
           f"best of {args.repeats}")
     print()
-    print("| run | cores | wall s | CPU s | tokens | tokens/s | tokens per CPU-second | tokens/s vs peer | per CPU-second vs peer |")
+    print("| run | cores | wall s | CPU s | tokens | tokens/s | tokens per CPU-second | tokens/s vs peer "
+          "| per CPU-second vs peer |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, (cores, _) in runs.items():
         wall, cpu, num_tokens = best[label]

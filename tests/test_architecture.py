@@ -27,7 +27,8 @@ ALLOWED = {
     "planning": {"_version", "errors", "validate"},
     "builder": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization"},
     "serve": {"_version", "errors", "validate", "io", "index", "source", "planning"},
-    "examples": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization", "builder", "serve"},
+    "examples": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization", "builder",
+                 "serve"},
     "cli": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization", "builder", "serve",
             "examples", "__init__"},
     "__init__": {"_version", "errors", "planning", "builder"},
@@ -84,9 +85,9 @@ def test_no_cycle_between_parts():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join(trail + [node, nxt])}")
+                raise AssertionError(f"import cycle: {' -> '.join([*trail, node, nxt])}")
             if nxt not in state:
-                visit(nxt, trail + [node])
+                visit(nxt, [*trail, node])
         state[node] = 2
 
     for node in sorted(graph):

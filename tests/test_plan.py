@@ -307,7 +307,7 @@ def test_search_is_exhaustive_and_ranked(model: tp.ModelSpec, n: int, per_node: 
         least = min(x.memory.total_bytes for x in every)
         assert plan.closest.memory.total_bytes == pytest.approx(least)
         with pytest.raises(ConfigError, match=f"short by {(least / GIB - mem):.1f} GiB"):
-            plan.best
+            _ = plan.best
 
 
 def test_more_memory_never_loses_layouts() -> None:
@@ -361,7 +361,7 @@ def test_impossible_request_says_by_how_much() -> None:
     assert f"needs {need:.1f} GiB" in message and "GPU has 80 GiB" in message and "tp=8" in message
     assert "--" not in message  # library errors never mention flags
     with pytest.raises(ConfigError, match="short by"):
-        plan.best
+        _ = plan.best
     # The same request on 64 GPUs fits.
     assert tp.plan("llama2-70b", "a100-80gb", num_gpus=64, global_batch_size=1024, train_iters=1).feasible
 
@@ -463,7 +463,7 @@ def test_geometry_file_errors(tmp_path) -> None:
             tp.DataGeometry.from_dict(bad)
     broken = tmp_path / "g.json"
     broken.write_text("{not json")
-    with pytest.raises(FormatError, match="g.json: not valid JSON"):
+    with pytest.raises(FormatError, match=r"g\.json: not valid JSON"):
         tp.DataGeometry.load(broken)
     with pytest.raises(FormatError, match="cannot read"):
         tp.DataGeometry.load(tmp_path / "missing.yaml")
@@ -574,7 +574,8 @@ def megatron_gpt():
                 num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_size, kv_channels=spec.kv_channels,
                 gated_linear_unit=spec.gated_linear_unit, activation_func=F.silu if spec.gated_linear_unit else F.gelu,
                 add_bias_linear=spec.add_bias_linear, normalization=spec.normalization, use_cpu_initialization=True)
-            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
+            layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+            model = GPTModel(config=config, transformer_layer_spec=layer_spec,
                              vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
                              position_embedding_type=spec.position_embedding_type,
                              share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights)
@@ -588,7 +589,8 @@ def megatron_gpt():
 
 megatron_shapes = st.builds(
     lambda l, a, groups, head_dim, kv_channels, ffn, V, s, gated, bias, norm, pos, untie: tp.ModelSpec(
-        num_layers=l, hidden_size=a * head_dim, num_attention_heads=a, num_query_groups=groups if a % groups == 0 else None,
+        num_layers=l, hidden_size=a * head_dim, num_attention_heads=a,
+        num_query_groups=groups if a % groups == 0 else None,
         kv_channels=kv_channels, ffn_hidden_size=ffn, vocab_size=V, seq_length=s, gated_linear_unit=gated,
         add_bias_linear=bias, normalization=norm, position_embedding_type=pos,
         untie_embeddings_and_output_weights=untie),

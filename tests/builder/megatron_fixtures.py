@@ -7,6 +7,7 @@ import logging
 import warnings
 
 import pytest
+
 from build_fixtures import NULL_TOKENIZER
 
 
@@ -34,7 +35,7 @@ def _blend(value):
 
 def megatron_datasets(config: dict, path_to_cache):
     """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping."""
-    helpers, Builder, GPTDataset, GPTDatasetConfig, NullTokenizer = _megatron()
+    _, Builder, GPTDataset, GPTDatasetConfig, NullTokenizer = _megatron()
     tokenizer = NullTokenizer(1000)
     assert dict(tokenizer.unique_identifiers) == NULL_TOKENIZER
     per_split = config.get("blend_per_split")

@@ -11,11 +11,11 @@ import sys
 
 import numpy as np
 import pytest
-from build_fixtures import blend_config, cache_files, make_stores, write_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenloom.builder as tb
+from build_fixtures import blend_config, cache_files, make_stores, write_store
 from tokenloom.builder.cache import write_npy
 from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
 from tokenloom.builder.stores import fingerprint_store
@@ -171,7 +171,7 @@ def test_an_item_failure_is_a_build_error_naming_the_item(stores, tmp_path):
 
 
 def test_a_missing_store_is_named(tmp_path, stores):
-    with pytest.raises(BuildError, match="store .*nope"):
+    with pytest.raises(BuildError, match=r"store .*nope"):
         tb.build(blend_config([stores[0], str(tmp_path / "nope")], tmp_path / "cache"))
 
 

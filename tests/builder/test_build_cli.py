@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from build_fixtures import make_stores
 
+from build_fixtures import make_stores
 from tokenloom.cli.builder import add_build_parser, add_cache_parser
 from tokenloom.errors import ConfigError
 

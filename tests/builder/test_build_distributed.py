@@ -5,6 +5,7 @@ shared filesystem. One launch of three ranks runs the scenarios in sequence (tor
 from __future__ import annotations
 
 import pytest
+
 from build_fixtures import blend_config, cache_files, launch, make_stores
 
 pytest.importorskip("torch.distributed")
@@ -127,7 +128,7 @@ def test_a_killed_rank_makes_the_others_fail_with_a_clear_error(scenario):
 
 @pytest.mark.timeout(300)
 def test_megatron_core_loads_the_multi_rank_cache(scenario):
-    root, prefixes, results = scenario
+    root, prefixes, _ = scenario
     megatron = pytest.importorskip("megatron.core")
     del megatron
     from megatron_fixtures import megatron_build_without_building

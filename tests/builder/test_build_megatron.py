@@ -11,14 +11,14 @@ import tempfile
 
 import numpy as np
 import pytest
-from build_fixtures import NULL_TOKENIZER, write_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("megatron.core")
-from megatron_fixtures import megatron_build_without_building, megatron_datasets
+from build_fixtures import NULL_TOKENIZER, write_store
 
+pytest.importorskip("megatron.core")
 import tokenloom.builder as tb
+from megatron_fixtures import megatron_build_without_building, megatron_datasets
 
 SPLIT_NAMES = ("train", "valid", "test")
 

@@ -97,25 +97,23 @@ def test_dtype_for_vocab_follows_megatron():
 
 def test_token_that_does_not_fit_is_refused_and_nothing_written(tmp_path):
     prefix = str(tmp_path / "s")
-    with pytest.raises(InputError, match="token id 70000 does not fit"):
-        with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
-            w.add_document(np.array([1, 70000]))
+    with pytest.raises(InputError, match="token id 70000 does not fit"), \
+            IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
+        w.add_document(np.array([1, 70000]))
     assert os.listdir(tmp_path) == []
 
 
 def test_exception_inside_writer_leaves_nothing(tmp_path):
     prefix = str(tmp_path / "s")
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetWriter(prefix) as w:
-            w.add_document([1, 2, 3])
-            raise RuntimeError("simulated crash")
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(prefix) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("simulated crash")
     assert os.listdir(tmp_path) == []
 
 
 def test_leaving_without_finalize_is_an_error_and_writes_nothing(tmp_path):
-    with pytest.raises(ConfigError, match="without finalize"):
-        with IndexedDatasetWriter(str(tmp_path / "s")) as w:
-            w.add_document([1])
+    with pytest.raises(ConfigError, match="without finalize"), IndexedDatasetWriter(str(tmp_path / "s")) as w:
+        w.add_document([1])
     assert os.listdir(tmp_path) == []
 
 
@@ -200,7 +198,7 @@ def test_validate_rejects_bad_document_indices(tmp_path):
     doc_offset = HEADER_SIZE + 12 * 3
     struct.pack_into("<q", raw, doc_offset + 8 * 3, 2)  # last index 2, expected 3
     open(idx, "wb").write(bytes(raw))
-    with pytest.raises(FormatError, match="last document index is 2 .* expected the sequence count 3"):
+    with pytest.raises(FormatError, match=r"last document index is 2 .* expected the sequence count 3"):
         validate(IndexedDataset(prefix))
     report = inspect_store(prefix)
     assert not report.consistent and "last document index" in report.problem

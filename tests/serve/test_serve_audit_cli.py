@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.cli import main
 from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, StoreBlendSource
 

@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
 from tokenloom.serve import (
     BatchGeometry,
@@ -134,7 +134,6 @@ def test_rank_loaders_share_their_refusals(prefixes, tmp_path):
     another dp, and EOD options without EOD ids on every rank (a middle stage too)."""
     pytest.importorskip("torch")
     from serve_fixtures import write_store
-
     from tokenloom.serve.torch_adapter import DistributedBatches
 
     source = _source(prefixes, "exact", True, False)

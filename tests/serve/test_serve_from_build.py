@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
-from tokenloom.serve import BatchGeometry, SampleSource, SampleStream, StoreBlendSource, Topology, read_batch
+from serve_fixtures import write_corpus
 from tokenloom.index import BlendSpec
+from tokenloom.serve import BatchGeometry, SampleSource, SampleStream, StoreBlendSource, Topology, read_batch
 from tokenloom.serve.simulate import simulate_job
 
 build_module = pytest.importorskip("tokenloom.builder")

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
 from tokenloom.serve import SampleOptions, StoreBlendSource
 from tokenloom.serve.jax_adapter import HostLoader, ShardOptions

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_fixtures import megatron_blended, write_corpus
 
+from serve_fixtures import megatron_blended, write_corpus
 from tokenloom.serve import (
     BatchGeometry,
     RankLoader,
@@ -112,7 +112,6 @@ def test_validation_split_with_padded_last_sample(tmp_path_factory, num_samples,
 def test_gather_matches_the_per_sample_lookup(tmp_path_factory, lengths, seq_length, extra, drop, num_samples, data):
     """The vectorised gather (one read_spans call) against tokenloom's per-sample megatron lookup."""
     from serve_fixtures import write_store
-
     from tokenloom.errors import ConfigError
     from tokenloom.index.megatron_gpt import build_megatron_gpt_indices, megatron_gpt_sample
     from tokenloom.io import IndexedDataset
@@ -145,7 +144,6 @@ def test_gather_matches_the_per_sample_lookup(tmp_path_factory, lengths, seq_len
 
 def test_gather_pads_a_short_last_sample(tmp_path):
     from serve_fixtures import write_store
-
     from tokenloom.index.megatron_gpt import build_megatron_gpt_indices, megatron_gpt_sample
     from tokenloom.io import IndexedDataset
     from tokenloom.serve import gather_gpt_samples

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
 from tokenloom.serve import (
     BatchGeometry,
@@ -184,7 +184,9 @@ def test_weight_change_survives_a_second_resume(source):
 
 def test_batch_size_schedule_resumes_on_another_layout(source):
     schedule = BatchSizeSchedule.parse("0:8 32:16 80:32")
-    geometry = lambda dp: BatchGeometry(global_batch_size=32, micro_batch_size=2, dp=dp, schedule=schedule)
+    def geometry(dp):
+        return BatchGeometry(global_batch_size=32, micro_batch_size=2, dp=dp, schedule=schedule)
+
     reference = _run_steps(_loaders(source, Topology(dp=1), geometry(1)), Topology(dp=1), 9)
     assert [s["tokens"].shape[0] for s in reference] == [8, 8, 8, 8, 16, 16, 16, 32, 32]
     first = _loaders(source, Topology(dp=2), geometry(2))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
 from tokenloom.serve import BatchGeometry, BatchSizeSchedule, MicroBatchSampler
 from tokenloom.source import StoreBlendSource

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, StoreBlendSource, Topology, read_audit_log
 from tokenloom.serve.simulate import simulate_job
 
@@ -20,7 +20,9 @@ def source(tmp_path_factory):
 
 
 def test_dp_tp_pp_cp_job_serves_the_dp1_stream_and_resumes_elsewhere(source, tmp_path):
-    geometry = lambda dp: BatchGeometry(global_batch_size=8, micro_batch_size=2, dp=dp)
+    def geometry(dp):
+        return BatchGeometry(global_batch_size=8, micro_batch_size=2, dp=dp)
+
     reference = simulate_job(source, geometry(1), Topology(dp=1), num_steps=6, options=OPTIONS)
     audit = MixtureAudit(tmp_path / "audit.jsonl")
     job = simulate_job(source, geometry(2), Topology(dp=2, tp=2, pp=2, cp=2), num_steps=3, options=OPTIONS, audit=audit)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.serve import BatchGeometry, RankLoader, SampleSource, StoreBlendSource, Topology
 from tokenloom.source import StatelessBlendSource
 

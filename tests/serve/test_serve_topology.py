@@ -67,7 +67,7 @@ def test_context_parallel_matches_megatron(cp, chunk, batch, data):
     for rank in range(cp):
         mp = pytest.MonkeyPatch()
         mp.setattr(torch.distributed, "get_world_size", lambda group=None: cp)
-        mp.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+        mp.setattr(torch.distributed, "get_rank", lambda group=None, rank=rank: rank)
         try:
             theirs = utils._get_batch_on_this_cp_rank_per_sequence_balancing(
                 {k: torch.from_numpy(np.array(v)) for k, v in fields.items()}, cp_group=None)
@@ -110,7 +110,7 @@ def test_from_device_mesh():
 
 
 def test_bad_sizes_name_the_value():
-    with pytest.raises(ConfigError, match="Topology.tp=0"):
+    with pytest.raises(ConfigError, match=r"Topology\.tp=0"):
         Topology(dp=1, tp=0)
     with pytest.raises(ConfigError, match=r"rank=8; expected an integer in \[0, 8\)"):
         Topology(dp=2, tp=4).coordinates(8)

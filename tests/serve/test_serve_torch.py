@@ -10,11 +10,18 @@ import sys
 
 import numpy as np
 import pytest
-from serve_fixtures import write_corpus
 
+from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
-from tokenloom.serve import (BatchGeometry, MixtureAudit, RankLoader, SampleOptions, StoreBlendSource, Topology,
-                             read_audit_log)
+from tokenloom.serve import (
+    BatchGeometry,
+    MixtureAudit,
+    RankLoader,
+    SampleOptions,
+    StoreBlendSource,
+    Topology,
+    read_audit_log,
+)
 
 torch = pytest.importorskip("torch")
 from tokenloom.serve.torch_adapter import build_dataloader  # noqa: E402
@@ -52,8 +59,10 @@ def test_dataloader_with_workers_equals_rank_loader(source, rank):
 def test_stateful_dataloader_resume(source, num_workers, tmp_path):
     pytest.importorskip("torchdata.stateful_dataloader")
     geometry = BatchGeometry(global_batch_size=8, micro_batch_size=2, dp=2)
-    make = lambda: build_dataloader(source, geometry, rank=1, options=OPTIONS, num_workers=num_workers,
-                                    prefetch_factor=2 if num_workers else None, max_steps=10, stateful=True)
+    def make():
+        return build_dataloader(source, geometry, rank=1, options=OPTIONS, num_workers=num_workers,
+                                prefetch_factor=2 if num_workers else None, max_steps=10, stateful=True)
+
     full = list(make())
     loader = make()
     iterator = iter(loader)

@@ -35,7 +35,8 @@ def test_cli_writes_store_and_prints_summary(tmp_path, capsys):
 
 def test_cli_no_eod_and_lines(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("ab\ncd\n")
-    assert run_tokenize(_parse([str(tmp_path / "t.txt"), "-o", str(tmp_path / "o"), "--lines", "--no-eod", "--workers", "0", "-q"])) == 0
+    argv = [str(tmp_path / "t.txt"), "-o", str(tmp_path / "o"), "--lines", "--no-eod", "--workers", "0", "-q"]
+    assert run_tokenize(_parse(argv)) == 0
     ds = IndexedDataset(tmp_path / "o")
     assert [ds.get(i).tolist() for i in range(len(ds))] == [[97, 98], [99, 100]]
     assert "no EOD appended" in capsys.readouterr().out
@@ -49,7 +50,8 @@ def test_cli_errors_add_the_flag_that_fixes_them(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]")).save(str(vocab_path))
     with pytest.raises(ConfigError, match=r"--eod-id ID, or --no-eod"):
-        run_tokenize(_parse([str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--tokenizer", str(vocab_path), "-q"]))
+        run_tokenize(_parse([str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--tokenizer", str(vocab_path),
+                             "-q"]))
     assert not (tmp_path / "o.idx").exists()
 
 

@@ -58,7 +58,8 @@ def test_invalid_utf8_in_text_files_names_the_line(tmp_path):
     lines.write_bytes(gzip.compress(b"ok\n\nok\n\xc3\x28\n"))
     with pytest.raises(InputError, match=rf"^{lines}:4: invalid UTF-8 at byte 0 of the line"):
         tokenize_to_store([str(lines)], str(tmp_path / "b"), TokenizeConfig(workers=0, lines=True))
-    summary = tokenize_to_store([str(lines), str(whole)], str(tmp_path / "c"), TokenizeConfig(workers=0, lines=True, skip_bad=True))
+    summary = tokenize_to_store([str(lines), str(whole)], str(tmp_path / "c"),
+                                TokenizeConfig(workers=0, lines=True, skip_bad=True))
     assert dict(summary.skipped) == {"invalid_utf8": 2} and summary.num_documents == 3
 
 

@@ -60,12 +60,13 @@ def test_pipeline_matches_the_tokenizers_own_encode(tmp_path, bpe_path):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     reference = tokenizers.Tokenizer.from_file(bpe_path)
     eod = reference.token_to_id("<|endoftext|>")
-    expected = [reference.encode(t, add_special_tokens=False).ids + [eod] for t in texts if t]
+    expected = [[*reference.encode(t, add_special_tokens=False).ids, eod] for t in texts if t]
 
     prefixes = []
     for workers in (0, 2):
         prefix = str(tmp_path / f"w{workers}")
-        summary = tokenize_to_store([str(path)], prefix, TokenizeConfig(tokenizer=bpe_path, workers=workers, chunk_bytes=2000))
+        config = TokenizeConfig(tokenizer=bpe_path, workers=workers, chunk_bytes=2000)
+        summary = tokenize_to_store([str(path)], prefix, config)
         prefixes.append(prefix)
     ds = IndexedDataset(prefixes[0])
     assert [ds.get(i).tolist() for i in range(len(ds))] == expected
@@ -125,10 +126,10 @@ def test_tokenizer_pickles_for_workers_and_bad_paths_are_config_errors(tmp_path,
     with pytest.raises(ConfigError, match="no such file"):
         load_tokenizer(str(tmp_path / "missing.json"))
     (tmp_path / "broken.json").write_text("{}")
-    with pytest.raises(ConfigError, match="not a loadable HuggingFace tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"not a loadable HuggingFace tokenizer\.json"):
         load_tokenizer(str(tmp_path / "broken.json"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         load_tokenizer(str(tmp_path / "empty"))
 
 
@@ -139,5 +140,6 @@ def test_lone_surrogate_is_reported_by_line_with_the_huggingface_tokenizer(tmp_p
     path.write_text('{"text": "fine"}\n{"text": "bad \\udc80 text"}\n{"text": "fine again"}\n')
     with pytest.raises(InputError, match=rf"^{path}:2: text is not valid Unicode: lone surrogate U\+DC80"):
         tokenize_to_store([str(path)], str(tmp_path / "out"), TokenizeConfig(tokenizer=bpe_path, workers=0))
-    summary = tokenize_to_store([str(path)], str(tmp_path / "out"), TokenizeConfig(tokenizer=bpe_path, workers=0, skip_bad=True))
+    summary = tokenize_to_store([str(path)], str(tmp_path / "out"),
+                                TokenizeConfig(tokenizer=bpe_path, workers=0, skip_bad=True))
     assert dict(summary.skipped) == {"invalid_unicode": 1} and summary.num_documents == 2

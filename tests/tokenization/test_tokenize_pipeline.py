@@ -65,7 +65,8 @@ def test_output_is_byte_identical_for_any_worker_count(tmp_path):
     outputs = []
     for workers, chunk_bytes in [(0, 1 << 20), (1, 4096), (2, 1000), (3, 333)]:
         prefix = str(tmp_path / f"w{workers}")
-        tokenize_to_store([str(tmp_path / "part*.jsonl")], prefix, TokenizeConfig(workers=workers, chunk_bytes=chunk_bytes))
+        tokenize_to_store([str(tmp_path / "part*.jsonl")], prefix,
+                          TokenizeConfig(workers=workers, chunk_bytes=chunk_bytes))
         outputs.append(prefix)
     for other in outputs[1:]:
         for suffix in (".bin", ".idx", ".meta.json"):
@@ -94,7 +95,8 @@ def test_sidecar_records_tokenizer_and_source(tmp_path):
 
 
 def test_tokenizer_record_rejects_inconsistent_fields():
-    good = TokenizerRecord(kind="bytes", name="bytes", path=None, sha256=None, vocab_size=257, eod_id=256, append_eod=True).to_dict()
+    good = TokenizerRecord(kind="bytes", name="bytes", path=None, sha256=None, vocab_size=257, eod_id=256,
+                           append_eod=True).to_dict()
     for change in ({"kind": "sentencepiece"}, {"eod_id": 257}, {"vocab_size": 0}, {"eod_id": None}):
         with pytest.raises(FormatError):
             TokenizerRecord.from_dict({**good, **change})
@@ -112,7 +114,8 @@ def test_mixed_formats_in_one_store(tmp_path):
     tokenize_to_store([str(tmp_path)], str(tmp_path / "out"), TokenizeConfig(workers=0))
     assert _stored(tmp_path / "out") == _byte_reference(["json doc", "text doc\nsecond line\n", "parquet doc"])
     tokenize_to_store([str(tmp_path)], str(tmp_path / "lines"), TokenizeConfig(workers=0, lines=True, append_eod=False))
-    assert _stored(tmp_path / "lines") == _byte_reference(["json doc", "text doc", "second line", "parquet doc"], append_eod=False)
+    expected = _byte_reference(["json doc", "text doc", "second line", "parquet doc"], append_eod=False)
+    assert _stored(tmp_path / "lines") == expected
 
 
 def test_progress_reports_every_document_token_and_input_byte(tmp_path):
@@ -124,7 +127,8 @@ def test_progress_reports_every_document_token_and_input_byte(tmp_path):
         seen[:] += (documents, tokens, input_bytes)
         calls.append(documents)
 
-    summary = tokenize_to_store(paths, str(tmp_path / "out"), TokenizeConfig(workers=0, chunk_bytes=2048), progress=progress)
+    summary = tokenize_to_store(paths, str(tmp_path / "out"), TokenizeConfig(workers=0, chunk_bytes=2048),
+                                progress=progress)
     assert seen.tolist() == [summary.num_documents, summary.num_tokens, sum(len(open(p, "rb").read()) for p in paths)]
     assert len(calls) > 2
 

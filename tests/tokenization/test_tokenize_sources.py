@@ -41,13 +41,15 @@ def _records(path, **kwargs):
 
 # -- discovery ------------------------------------------------------------------------------------
 def test_discovery_orders_files_dirs_and_globs_deterministically(tmp_path):
-    for name in ["b/2.jsonl", "b/1.jsonl.gz", "b/sub/0.txt", "b/.hidden.jsonl", "b/notes.csv", "b/store.meta.json", "a.jsonl", "c.parquet"]:
+    for name in ["b/2.jsonl", "b/1.jsonl.gz", "b/sub/0.txt", "b/.hidden.jsonl", "b/notes.csv", "b/store.meta.json",
+                 "a.jsonl", "c.parquet"]:
         _write(tmp_path / name, b"{}\n")
     found = discover_inputs([str(tmp_path / "b"), str(tmp_path / "*.jsonl"), str(tmp_path / "a.jsonl")])
     names = [os.path.relpath(f.path, tmp_path) for f in found]
     # directory: sorted, recursive, known extensions only, hidden skipped; the glob; a.jsonl once
     assert names == ["b/1.jsonl.gz", "b/2.jsonl", "b/sub/0.txt", "a.jsonl"]
-    assert [(f.format, f.compression) for f in found] == [("jsonl", "gzip"), ("jsonl", None), ("text", None), ("jsonl", None)]
+    assert [(f.format, f.compression) for f in found] == [("jsonl", "gzip"), ("jsonl", None), ("text", None),
+                                                          ("jsonl", None)]
     recursive = discover_inputs([str(tmp_path / "**" / "*.jsonl*")])
     assert [os.path.relpath(f.path, tmp_path) for f in recursive] == ["a.jsonl", "b/1.jsonl.gz", "b/2.jsonl"]
 
@@ -123,7 +125,7 @@ def test_parquet_non_string_column_is_rejected(tmp_path):
 def test_truncated_gzip_is_an_input_error(tmp_path):
     data = gzip.compress(_jsonl([{"text": "x" * 1000}] * 100))
     path = _write(tmp_path / "cut.jsonl.gz", data[: len(data) // 2])
-    with pytest.raises(InputError, match="cut.jsonl.gz"):
+    with pytest.raises(InputError, match=r"cut\.jsonl\.gz"):
         _records(path)
 
 
@@ -146,7 +148,8 @@ def test_chunked_jsonl_reads_every_record_once_in_order(tmp_path_factory, texts,
 
 
 @settings(max_examples=40, deadline=None)
-@given(lines=st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r"), max_size=20), max_size=30),
+@given(lines=st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r"), max_size=20),
+                      max_size=30),
        chunk_bytes=st.integers(1, 100))
 def test_chunked_text_lines_match_a_simple_split(tmp_path_factory, lines, chunk_bytes):
     path = _write(tmp_path_factory.mktemp("l") / "x.txt", "\n".join(lines).encode())

@@ -34,8 +34,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -126,7 +127,7 @@ class PackWriter:
     collected; ``close`` publishes the rest and waits, re-raising the first failure.
     """
 
-    def __init__(self, cache: "Cache", *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 2) -> None:
+    def __init__(self, cache: Cache, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 2) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.cache = cache
@@ -459,5 +460,6 @@ def verify_cache(root: str) -> VerifyReport:
                         problems=tuple(problems))
 
 
-__all__ = ["CACHE_FORMAT_VERSION", "Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range", "verify_cache",
+__all__ = ["CACHE_FORMAT_VERSION", "Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range",
+           "verify_cache",
            "write_npy"]

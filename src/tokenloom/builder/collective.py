@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloom.errors import BuildError, TokenloomError
 

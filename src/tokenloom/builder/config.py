@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -212,7 +213,7 @@ class BuildConfig:
         out["megatron_tokenizer"] = None if self.megatron_tokenizer is None else dict(self.megatron_tokenizer)
         return out
 
-    def replace(self, **changes: Any) -> "BuildConfig":
+    def replace(self, **changes: Any) -> BuildConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 

@@ -17,21 +17,22 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION
-from tokenloom.source.keys import hash_key
-from tokenloom.validate import check_positive_int
+from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
 from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
+from tokenloom.source.keys import hash_key
+from tokenloom.validate import check_positive_int
 
 
 @dataclass(frozen=True, kw_only=True)

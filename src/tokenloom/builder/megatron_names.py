@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tokenloom.index.split import split_bookends
 
@@ -63,7 +64,7 @@ def split_matrix(split: str | None) -> list | None:
 
 def gpt_identifiers(*, dataset_path: str, num_samples: int | None, split: str, random_seed: int,
                     sequence_length: int, split_string: str | None,
-                    tokenizer: Mapping[str, Any] | None) -> "OrderedDict[str, Any]":
+                    tokenizer: Mapping[str, Any] | None) -> OrderedDict[str, Any]:
     """The identifiers megatron-core hashes for one ``GPTDataset`` split."""
     identifiers: OrderedDict[str, Any] = OrderedDict()
     identifiers["class"] = GPT_CLASS

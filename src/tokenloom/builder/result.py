@@ -11,7 +11,7 @@ read-only memory maps of the cache files, so every rank of a job can open the sa
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import BuildPlan, SplitPlan

@@ -20,25 +20,31 @@ import os
 import platform
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.cache import Cache, PackWriter, host_record
-from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
-from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
-from tokenloom.builder.exact import SMALL_WALK_POSITIONS, ShuffleDrawer, build_blend_arrays, build_gpt_arrays, plan_to_dict
-from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
 from tokenloom._version import __version__
-from tokenloom.builder.cache import CACHE_FORMAT_VERSION
-from tokenloom.source.keys import build_key as make_build_key
-from tokenloom.source.keys import canonical_json
+from tokenloom.builder.cache import CACHE_FORMAT_VERSION, Cache, PackWriter, host_record
+from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
+from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
+from tokenloom.builder.exact import (
+    SMALL_WALK_POSITIONS,
+    ShuffleDrawer,
+    build_blend_arrays,
+    build_gpt_arrays,
+    plan_to_dict,
+)
+from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
 from tokenloom.builder.stores import StoreInfo, fingerprint_store
 from tokenloom.builder.transfer import pack_item, unpack_item
 from tokenloom.errors import BuildError
+from tokenloom.source.keys import build_key as make_build_key
+from tokenloom.source.keys import canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +408,7 @@ class _Build:
 class _BlendThread:
     """Builds a rank's blend items on a thread while the main thread builds dataset items."""
 
-    def __init__(self, build: "_Build", items: list[WorkItem], packs, records, poller) -> None:
+    def __init__(self, build: _Build, items: list[WorkItem], packs, records, poller) -> None:
         self.failure = None
         self._thread = threading.Thread(target=self._run, args=(build, items, packs, records, poller),
                                         name="tokenloom-blend", daemon=True)

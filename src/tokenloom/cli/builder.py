@@ -120,4 +120,4 @@ def register(subparsers) -> None:
     add_cache_parser(subparsers)
 
 
-__all__ = ["add_build_parser", "add_cache_parser", "run_build", "run_cache", "register"]
+__all__ = ["add_build_parser", "add_cache_parser", "register", "run_build", "run_cache"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo",
@@ -11,7 +10,8 @@ def register(subparsers) -> None:
         description="Tokenize the standard library's sources and pydoc topics into token stores, "
         "then run the later stages on them, printing what each produced.",
     )
-    p.add_argument("--output", "-o", default="tokenloom-demo", metavar="DIR", help="where to write (default: %(default)s)")
+    p.add_argument("--output", "-o", default="tokenloom-demo", metavar="DIR",
+                   help="where to write (default: %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer worker processes (default: one per core)")
     p.set_defaults(run=run_demo_command)
 

@@ -168,4 +168,4 @@ def register(subparsers) -> None:
     add_plan_parser(subparsers)
 
 
-__all__ = ["add_plan_parser", "run_plan", "register"]
+__all__ = ["add_plan_parser", "register", "run_plan"]

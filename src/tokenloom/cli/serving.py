@@ -6,7 +6,6 @@ import argparse
 import json
 
 
-
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "audit",
@@ -45,7 +44,8 @@ def run_audit(args: argparse.Namespace) -> int:
         print(f"| {r['dataset']:<{width}} | {r['target']:.4f} | {r['tokens']:,} | {r['realised']:.4f} | "
               f"{r['drift']:+.4f} | {r['max_abs_drift']:.4f} |")
     for record in last_steps:
-        print(f"step {record['step']:>6}  consumed {record['consumed_samples']:>10,}  batch {record['global_batch_size']:>5}"
+        print(f"step {record['step']:>6}  consumed {record['consumed_samples']:>10,}  "
+              f"batch {record['global_batch_size']:>5}"
               f"  fingerprint {record['fingerprint']}")
     if failed:
         print(f"drift {worst:.4f} exceeds --max-drift {args.max_drift}")

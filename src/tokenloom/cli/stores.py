@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 
-
 def add_inspect_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "inspect",
@@ -39,7 +38,8 @@ def _format_report(report) -> str:
     tokenizer = (report.metadata or {}).get("tokenizer")
     if tokenizer:
         lines.append(
-            "  tokenizer  " + "  ".join(f"{k} {tokenizer[k]}" for k in ("kind", "name", "vocab_size", "eod_id") if k in tokenizer)
+            "  tokenizer  "
+            + "  ".join(f"{k} {tokenizer[k]}" for k in ("kind", "name", "vocab_size", "eod_id") if k in tokenizer)
         )
     if report.token_scan:
         t = report.token_scan

@@ -38,27 +38,35 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     p.set_defaults(run=run_tokenize)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or glob patterns (quote globs)")
-    p.add_argument("--output", "-o", required=True, metavar="PREFIX", help="store to write: PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    p.add_argument("--output", "-o", required=True, metavar="PREFIX",
+                   help="store to write: PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
     p.add_argument(
         "--tokenizer", default="bytes", metavar="PATH",
-        help="'bytes' (built in: UTF-8 bytes 0-255, EOD 256; the default) or a HuggingFace tokenizer.json (or its directory)",
+        help="'bytes' (built in: UTF-8 bytes 0-255, EOD 256; the default) or a HuggingFace tokenizer.json "
+             "(or its directory)",
     )
     p.add_argument(
         "--format", dest="input_format", choices=("auto", "jsonl", "parquet", "text"), default="auto",
-        help="input format; auto (default) goes by extension: .jsonl/.json/.ndjson, .parquet, .txt/.text/.md, plus .gz/.zst",
+        help="input format; auto (default) goes by extension: .jsonl/.json/.ndjson, .parquet, "
+             ".txt/.text/.md, plus .gz/.zst",
     )
-    p.add_argument("--text-key", default="text", metavar="KEY", help="JSONL field with the text; a.b for nested objects (default: text)")
+    p.add_argument("--text-key", default="text", metavar="KEY",
+                   help="JSONL field with the text; a.b for nested objects (default: text)")
     p.add_argument("--column", default="text", metavar="NAME", help="Parquet column with the text (default: text)")
-    p.add_argument("--lines", action="store_true", help="text files: one document per non-blank line (default: one per file)")
+    p.add_argument("--lines", action="store_true",
+                   help="text files: one document per non-blank line (default: one per file)")
     eod = p.add_mutually_exclusive_group()
     eod.add_argument("--no-eod", action="store_true", help="do not append an end-of-document token")
-    eod.add_argument("--eod-id", type=int, metavar="ID", help="end-of-document id (default: the tokenizer's eos / <|endoftext|>)")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping at the first")
+    eod.add_argument("--eod-id", type=int, metavar="ID",
+                     help="end-of-document id (default: the tokenizer's eos / <|endoftext|>)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip and count bad records instead of stopping at the first")
     p.add_argument(
         "--workers", type=int, default=None, metavar="N",
         help=f"worker processes (default: one per core, here {os.cpu_count()}; 0 = in this process)",
     )
-    p.add_argument("--chunk-size", type=_byte_size, default=1 << 20, metavar="BYTES", help="text per worker task, e.g. 512K, 4M (default 1M)")
+    p.add_argument("--chunk-size", type=_byte_size, default=1 << 20, metavar="BYTES",
+                   help="text per worker task, e.g. 512K, 4M (default 1M)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
@@ -151,4 +159,4 @@ def register(subparsers) -> None:
     add_tokenize_parser(subparsers)
 
 
-__all__ = ["add_tokenize_parser", "run_tokenize", "register"]
+__all__ = ["add_tokenize_parser", "register", "run_tokenize"]

@@ -225,7 +225,8 @@ def serve_and_audit(result, output_dir: str, *, num_steps: int = 20, echo=print)
          "micro-batches of 4 per step); tensor peers checked identical")
     echo(f"  {'dataset':<14} {'target':>7} {'realised':>9} {'tokens':>10}")
     for row in rows:
-        echo(f"  {os.path.basename(str(row['dataset'])):<14} {row['target']:>7.3f} {row['realised']:>9.3f} {row['tokens']:>10,}")
+        name = os.path.basename(str(row["dataset"]))
+        echo(f"  {name:<14} {row['target']:>7.3f} {row['realised']:>9.3f} {row['tokens']:>10,}")
     echo(f"  audit log {audit_path} (tokenloom audit {audit_path})")
     return rows
 

@@ -1,9 +1,9 @@
 """The Megatron-LM .bin/.idx token store: read, write, merge, validate."""
 
 from tokenloom.io.format import DTYPE_CODES, MAGIC, dtype_for_vocab
-from tokenloom.io.report import StoreReport, inspect_store, validate
 from tokenloom.io.merge import merge_stores
 from tokenloom.io.reader import IndexedDataset
+from tokenloom.io.report import StoreReport, inspect_store, validate
 from tokenloom.io.writer import IndexedDatasetWriter
 
 __all__ = [

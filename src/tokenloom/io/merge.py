@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tokenloom.errors import ConfigError
 from tokenloom.io.format import normalize_prefix
-from tokenloom.io.report import validate
 from tokenloom.io.reader import IndexedDataset
+from tokenloom.io.report import validate
 from tokenloom.io.writer import IndexedDatasetWriter
 
 

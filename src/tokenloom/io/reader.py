@@ -188,8 +188,8 @@ class IndexedDataset:
         if (offsets < 0).any() or (lengths < 0).any() or (offsets + lengths > seq_lengths).any():
             bad = int(np.flatnonzero((offsets < 0) | (lengths < 0) | (offsets + lengths > seq_lengths))[0])
             raise PositionError(f"{self.prefix}: span {bad} (tokens [{int(offsets[bad])}, "
-                                f"{int(offsets[bad] + lengths[bad])}) of sequence {int(sequence_ids[bad])}) runs outside "
-                                f"its sequence of {int(seq_lengths[bad])} tokens")
+                                f"{int(offsets[bad] + lengths[bad])}) of sequence {int(sequence_ids[bad])}) runs "
+                                f"outside its sequence of {int(seq_lengths[bad])} tokens")
         # starts: (num_spans,) int64 token positions in the .bin
         starts = self.sequence_pointers[sequence_ids] // self.itemsize + offsets
         total = int(lengths.sum())

@@ -201,7 +201,8 @@ class IndexedDatasetWriter:
             raise InputError(f"{self.prefix}: lengths must be a 1-D integer array, got {lengths.dtype} {lengths.shape}")
         lengths = lengths.astype(np.int64)
         if lengths.size and (lengths.min() < 0 or lengths.max() > _INT32_MAX):
-            raise InputError(f"{self.prefix}: document lengths must lie in [0, 2^31), got min {lengths.min()} max {lengths.max()}")
+            raise InputError(f"{self.prefix}: document lengths must lie in [0, 2^31), got min {lengths.min()} "
+                             f"max {lengths.max()}")
         if int(lengths.sum()) != tokens.size:
             raise InputError(
                 f"{self.prefix}: lengths sum to {int(lengths.sum())} but {tokens.size} tokens were given"
@@ -289,7 +290,7 @@ class IndexedDatasetWriter:
         finally:
             _remove_quietly(self._bin_tmp)
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

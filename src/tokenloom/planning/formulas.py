@@ -250,7 +250,8 @@ def flops_per_iteration(model: ModelSpec, *, batch_size: int, recompute: str = "
     return batch_size * (model.num_layers * (3 * layer + extra) + 3 * logits)
 
 
-def training_days_estimate(*, num_parameters: float, train_tokens: float, num_gpus: int, achieved_tflops: float) -> float:
+def training_days_estimate(*, num_parameters: float, train_tokens: float, num_gpus: int,
+                           achieved_tflops: float) -> float:
     """Narayanan 2021, eq. 4: end-to-end training time ``~ 8 T P / (n X)``, in days."""
     return 8 * train_tokens * num_parameters / (num_gpus * achieved_tflops * 1e12) / SECONDS_PER_DAY
 
@@ -261,10 +262,20 @@ def pipeline_bubble_fraction(*, pipeline_parallel: int, num_microbatches: int, v
 
 
 __all__ = [
-    "gpt_parameter_count", "layer_parameter_count", "parameter_count", "stage_parameter_counts",
+    "activation_bytes",
+    "activation_bytes_per_layer",
+    "flops_per_iteration",
+    "forward_flops_per_sequence",
+    "gpt_flops_per_iteration",
+    "gpt_parameter_count",
+    "layer_parameter_count",
+    "model_state_breakdown",
+    "model_state_bytes",
+    "model_state_bytes_per_parameter",
+    "parameter_count",
+    "pipeline_bubble_fraction",
+    "pipeline_in_flight_factor",
     "stage_parameter_count",
-    "model_state_bytes_per_parameter", "model_state_breakdown", "model_state_bytes",
-    "activation_bytes_per_layer", "pipeline_in_flight_factor", "activation_bytes",
-    "gpt_flops_per_iteration", "forward_flops_per_sequence", "flops_per_iteration",
-    "training_days_estimate", "pipeline_bubble_fraction",
+    "stage_parameter_counts",
+    "training_days_estimate",
 ]

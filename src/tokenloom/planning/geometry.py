@@ -151,8 +151,9 @@ class DataGeometry:
         try:
             data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise FormatError(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {exc}") from exc
+            kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+            raise FormatError(f"{path}: not valid {kind}: {exc}") from exc
         return cls.from_dict(data, source=str(path))
 
 
-__all__ = ["DataGeometry", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "DataGeometry"]

@@ -219,4 +219,4 @@ def evaluate_layout(
     )
 
 
-__all__ = ["GIB", "MemoryEstimate", "Layout", "evaluate_layout"]
+__all__ = ["GIB", "Layout", "MemoryEstimate", "evaluate_layout"]

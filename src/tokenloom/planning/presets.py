@@ -63,4 +63,4 @@ def cluster_preset(name: str, *, num_gpus: int, **overrides: object) -> ClusterS
     return ClusterSpec(num_gpus=num_gpus, **{**gpu, **overrides})
 
 
-__all__ = ["MODEL_PRESETS", "GPU_PRESETS", "model_preset", "cluster_preset"]
+__all__ = ["GPU_PRESETS", "MODEL_PRESETS", "cluster_preset", "model_preset"]

@@ -18,7 +18,8 @@ def _row(rank: str, lay: Layout) -> list[str]:
     gib = 2**30
     return [rank, str(lay.tensor_parallel), str(lay.pipeline_parallel), str(lay.data_parallel),
             str(lay.virtual_pipeline), str(lay.micro_batch_size), str(lay.num_microbatches),
-            f"{lay.bubble_fraction:.1%}", f"{(mem.weights_bytes + mem.gradients_bytes + mem.optimizer_bytes) / gib:.1f}",
+            f"{lay.bubble_fraction:.1%}",
+            f"{(mem.weights_bytes + mem.gradients_bytes + mem.optimizer_bytes) / gib:.1f}",
             f"{mem.activations_bytes / gib:.1f}", f"{mem.total_gib:.1f}", f"{lay.iteration_s:.2f}"]
 
 

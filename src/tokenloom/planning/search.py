@@ -138,7 +138,8 @@ class Plan:
             if abs(b.iteration_s - a.iteration_s) < 1e-9:
                 why = f"same time; #{i + 1} uses fewer model-parallel GPUs or a larger micro-batch"
             else:
-                why = f"{b.iteration_s - a.iteration_s:.3g} s faster, mostly {biggest} ({terms[biggest]:+.3g} s for #{i + 2})"
+                why = (f"{b.iteration_s - a.iteration_s:.3g} s faster, mostly {biggest} "
+                       f"({terms[biggest]:+.3g} s for #{i + 2})")
             lines.append(f"#{i + 1} over #{i + 2}: {why}")
         return lines
 
@@ -265,4 +266,4 @@ def plan_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     )
 
 
-__all__ = ["Plan", "plan_layout", "GIB"]
+__all__ = ["GIB", "Plan", "plan_layout"]

@@ -263,4 +263,4 @@ class PlanOptions:
             raise ConfigError(f"PlanOptions.memory_reserve_gib must be >= 0, got {self.memory_reserve_gib!r}")
 
 
-__all__ = ["ModelSpec", "ClusterSpec", "TrainingSpec", "PlanOptions", "RECOMPUTE_CHOICES"]
+__all__ = ["RECOMPUTE_CHOICES", "ClusterSpec", "ModelSpec", "PlanOptions", "TrainingSpec"]

@@ -46,6 +46,8 @@ from tokenloom.source import (
 )
 
 __all__ = [
+    "SCHEMA_VERSION",
+    "STATE_FORMAT",
     "BatchGeometry",
     "BatchPipeline",
     "BatchSizeSchedule",
@@ -59,8 +61,6 @@ __all__ = [
     "RankCoordinates",
     "RankLoader",
     "RankPlan",
-    "SCHEMA_VERSION",
-    "STATE_FORMAT",
     "SampleOptions",
     "SampleSource",
     "SampleStream",

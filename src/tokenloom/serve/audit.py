@@ -10,8 +10,9 @@ One JSON object per line. The first line describes the run; then one line per op
 
 ``tokens`` counts ``seq_length`` tokens per sample of each dataset in the step; ``drift`` is the
 realised share of all tokens so far minus the share the weights in force at each step asked for
-(after a weight change the expectation follows the new weights from that step on). The fingerprint hashes the build key and the
-global batch's ``(dataset_id, sample_id)`` pairs in stream order, so any rank computes it
+(after a weight change the expectation follows the new weights from that step on). The
+fingerprint hashes the build key and the global batch's ``(dataset_id, sample_id)`` pairs in
+stream order, so any rank computes it
 without reading tokens, and two runs that serve the same samples in the same order agree.
 On resume the next step's fingerprint is checked against the log when the log has that step.
 """
@@ -19,6 +20,7 @@ On resume the next step's fingerprint is checked against the log when the log ha
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -114,7 +116,7 @@ def expected_samples(stream, position: int) -> np.ndarray:
     """(num_datasets,) float64: samples the weights in force asked of each dataset in ``[0, position)``."""
     bounds = [0] + [s.start for s in stream.segments if s.start < position] + [position]
     expected = np.zeros(len(stream.source.datasets))
-    for begin, end in zip(bounds[:-1], bounds[1:]):
+    for begin, end in itertools.pairwise(bounds):
         expected += np.asarray(stream.target_weights(begin)) * (end - begin)
     return expected
 

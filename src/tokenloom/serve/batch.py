@@ -88,7 +88,7 @@ class BatchPipeline:
             raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
         row = np.zeros((1, self.source.seq_length + int(self.source.add_extra_token)), dtype=np.int64)  # (1, width)
         one = self.from_rows(row, np.zeros(1, dtype=np.int64))
-        return {name: FieldSpec((int(micro_batch_size),) + value.shape[1:], value.dtype) for name, value in one.items()}
+        return {name: FieldSpec((int(micro_batch_size), *value.shape[1:]), value.dtype) for name, value in one.items()}
 
 
 def read_fields(source: SampleSource, dataset_ids, sample_ids, *, options: SampleOptions = SampleOptions(),

@@ -41,11 +41,11 @@ class BatchSizeSchedule:
         for (a, _), (b, _) in zip(self.steps, self.steps[1:]):
             if b <= a:
                 raise ConfigError(f"BatchSizeSchedule thresholds {a} then {b}; expected strictly increasing")
-        for threshold, size in self.steps:
+        for _, size in self.steps:
             _positive("global batch size", size)
 
     @classmethod
-    def parse(cls, text: str, *, seq_length: int | None = None) -> "BatchSizeSchedule":
+    def parse(cls, text: str, *, seq_length: int | None = None) -> BatchSizeSchedule:
         """Megatron's "THRESHOLD:BS THRESHOLD:BS ..." (K/M/B/T suffixes); thresholds in tokens when
         ``seq_length`` is given (divided by it, rounding down), else in samples."""
         entries = []
@@ -59,7 +59,7 @@ class BatchSizeSchedule:
         return cls(steps=tuple(sorted(entries)))
 
     @classmethod
-    def rampup(cls, *, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> "BatchSizeSchedule":
+    def rampup(cls, *, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> BatchSizeSchedule:
         """Megatron-LM's ``--rampup-batch-size start increment ramp_samples``: the batch grows from
         ``start`` by ``increment`` every ``ramp_samples / num_increments`` consumed samples, and is
         ``global_batch_size`` once more than ``ramp_samples`` are consumed."""
@@ -79,7 +79,7 @@ class BatchSizeSchedule:
         for k in range(1, num_increments + 1):
             # the first consumed count c with int(c / per_increment) >= k (and c <= ramp_samples);
             # below one sample per increment, several increments land on the same count
-            c = max(int(math.ceil(k * per_increment)) - 2, steps[-1][0])
+            c = max(math.ceil(k * per_increment) - 2, steps[-1][0])
             while int(c / per_increment) < k:
                 c += 1
             if c > ramp_samples:
@@ -136,7 +136,7 @@ class BatchGeometry:
 
     @classmethod
     def from_tokens(cls, *, global_batch_tokens: int, seq_length: int, micro_batch_size: int,
-                    dp: int, schedule: BatchSizeSchedule | None = None) -> "BatchGeometry":
+                    dp: int, schedule: BatchSizeSchedule | None = None) -> BatchGeometry:
         """A global batch given in tokens (``global_batch_tokens = samples x seq_length``)."""
         global_batch_tokens = _positive("global_batch_tokens", global_batch_tokens)
         seq_length = _positive("seq_length", seq_length)
@@ -150,12 +150,12 @@ class BatchGeometry:
                    dp=dp, schedule=schedule)
 
     @classmethod
-    def from_data_geometry(cls, geometry, *, schedule: BatchSizeSchedule | None = None) -> "BatchGeometry":
+    def from_data_geometry(cls, geometry, *, schedule: BatchSizeSchedule | None = None) -> BatchGeometry:
         """From a :class:`tokenloom.plan.DataGeometry` (its checks already hold)."""
         return cls(global_batch_size=geometry.global_batch_size, micro_batch_size=geometry.micro_batch_size,
                    dp=geometry.data_parallel_size, schedule=schedule)
 
-    def with_dp(self, dp: int) -> "BatchGeometry":
+    def with_dp(self, dp: int) -> BatchGeometry:
         """The same batches on another data-parallel size (the micro-batch stays)."""
         return BatchGeometry(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
                              dp=dp, schedule=self.schedule)
@@ -172,7 +172,8 @@ class BatchGeometry:
             raise ConfigError(
                 f"global batch size {global_batch_size} is not divisible by micro_batch_size "
                 f"{self.micro_batch_size} x dp {self.dp} = {per} (remainder {global_batch_size % per}); "
-                f"use a global batch of {global_batch_size // per * per or per} or {(global_batch_size // per + 1) * per}")
+                f"use a global batch of {global_batch_size // per * per or per} or "
+                f"{(global_batch_size // per + 1) * per}")
         return global_batch_size // per
 
     @property

@@ -17,8 +17,9 @@ Importing this module does not import jax; the functions that need it do.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -48,14 +49,14 @@ class ShardOptions:
                               f"[0, {self.shard_count})")
 
     @classmethod
-    def from_jax(cls) -> "ShardOptions":
+    def from_jax(cls) -> ShardOptions:
         """``shard_index = jax.process_index()``, ``shard_count = jax.process_count()``."""
         import jax
 
         return cls(shard_index=jax.process_index(), shard_count=jax.process_count())
 
     @classmethod
-    def of(cls, options) -> "ShardOptions":
+    def of(cls, options) -> ShardOptions:
         """From anything with ``shard_index`` and ``shard_count`` (grain's ShardOptions too)."""
         return options if isinstance(options, cls) else cls(shard_index=int(options.shard_index),
                                                             shard_count=int(options.shard_count))
@@ -106,7 +107,7 @@ def make_global_batch(host_batch: dict[str, np.ndarray], mesh, data_axis: str | 
     for name, value in host_batch.items():
         spec = PartitionSpec(data_axis, *([None] * (value.ndim - 1)))
         sharding = NamedSharding(mesh, spec)
-        global_shape = (value.shape[0] * jax.process_count(),) + tuple(value.shape[1:])
+        global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
         out[name] = jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(value), global_shape)
     return out
 

@@ -17,7 +17,8 @@ memory map, or ``read_spans``; see ``tokenloom.source``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

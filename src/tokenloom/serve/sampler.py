@@ -7,7 +7,8 @@ layout, so a run saved at dp=4 resumes at dp=2 or dp=8 on the identical global s
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class MicroBatchSampler:
         return count
 
     # -- copy and seek --------------------------------------------------------------------------
-    def copy(self) -> "MicroBatchSampler":
+    def copy(self) -> MicroBatchSampler:
         """An independent sampler of the same stream, rank and limit, at the same place (what an
         iterator or a probe advances without moving this one)."""
         twin = MicroBatchSampler(self.stream, self.geometry, dp_rank=self.dp_rank, max_steps=self.max_steps)
@@ -187,4 +188,4 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
             raise ConfigError(f"serving state field {name}={value!r}; expected a non-negative integer")
 
 
-__all__ = ["MicroBatchSampler", "STATE_FORMAT", "SCHEMA_VERSION", "check_state"]
+__all__ = ["SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state"]

@@ -21,8 +21,8 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.samples import SampleOptions
-from tokenloom.source import SampleSource
 from tokenloom.serve.topology import LoadMode, Topology, context_parallel_positions
+from tokenloom.source import SampleSource
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -60,7 +60,8 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                         for peer in group[1:]:
                             for name, value in group[0].items():
                                 if not np.array_equal(value, peer[name]):
-                                    raise TokenloomError(f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
+                                    raise TokenloomError(
+                                        f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
                         positions = context_parallel_positions(seq, topology.cp, cp_rank)
                         for name, value in group[0].items():
                             if name == "dataset_id":

@@ -43,7 +43,7 @@ class BlendSegment:
         return {"start": self.start, "weights": list(self.weights), "dataset_offsets": list(self.dataset_offsets)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "BlendSegment":
+    def from_dict(cls, data: dict) -> BlendSegment:
         """Inverse of :meth:`to_dict`."""
         return cls(start=int(data["start"]), weights=tuple(float(w) for w in data["weights"]),
                    dataset_offsets=tuple(int(o) for o in data["dataset_offsets"]))
@@ -121,7 +121,7 @@ class SampleStream:
         return tuple(d.weight for d in self.source.datasets)
 
     # -- weight changes -------------------------------------------------------------------------
-    def reweighted(self, position: int, weights) -> "SampleStream":
+    def reweighted(self, position: int, weights) -> SampleStream:
         """A stream equal to this one before ``position`` that blends with ``weights`` from there,
         each dataset continuing from the sample it had reached."""
         w = np.asarray(weights, dtype=np.float64).reshape(-1)
@@ -136,7 +136,7 @@ class SampleStream:
         offsets = self.samples_reached(position)
         segment = BlendSegment(start=int(position), weights=tuple((w / w.sum()).tolist()),
                                dataset_offsets=tuple(int(o) for o in offsets))
-        return SampleStream(self.source, kept + (segment,))
+        return SampleStream(self.source, (*kept, segment))
 
     def _usable_length(self) -> int:
         """Positions served before some dataset would need a sample its index does not hold."""

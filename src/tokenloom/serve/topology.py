@@ -161,7 +161,7 @@ class Topology:
         return sorted(groups)
 
     @classmethod
-    def from_device_mesh(cls, mesh) -> "Topology":
+    def from_device_mesh(cls, mesh) -> Topology:
         """Sizes and order from a ``torch.distributed.device_mesh.DeviceMesh`` with named
         dimensions (``"dp"``/``"data"``, ``"tp"``/``"tensor"``, ``"pp"``, ``"cp"``; missing
         axes have size 1). Its rank layout must be the row-major one ``init_device_mesh`` makes."""

@@ -20,7 +20,8 @@ Importing this module imports torch; ``import tokenloom.serve`` does not.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from tokenloom.serve.topology import LoadMode, Topology
 from tokenloom.source import SampleSource
 
 
-def _unpack(buffer: torch.Tensor, layout: tuple) -> "PackedBatch":
+def _unpack(buffer: torch.Tensor, layout: tuple) -> PackedBatch:
     batch = PackedBatch()
     for name, dtype, shape, offset, nbytes in layout:
         batch[name] = buffer[offset:offset + nbytes].view(dtype).view(shape)
@@ -102,11 +103,11 @@ class _PairsIterator:
     """Iterates a copy of a :class:`MicroBatchSampler`; its state is the copy's (torchdata's
     ``Stateful`` protocol)."""
 
-    def __init__(self, owner: "StatefulBatchSampler") -> None:
+    def __init__(self, owner: StatefulBatchSampler) -> None:
         self._sampler = owner._start.copy()
         self._whole_steps = owner.whole_steps
 
-    def __iter__(self) -> "_PairsIterator":
+    def __iter__(self) -> _PairsIterator:
         return self
 
     def __next__(self) -> np.ndarray:

@@ -17,7 +17,8 @@ stage consumes them through the :class:`~tokenloom.source.protocol.SampleSource`
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 

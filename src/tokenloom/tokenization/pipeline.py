@@ -20,9 +20,9 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 

@@ -7,7 +7,8 @@ the user again, and can refuse to blend stores made by different tokenizers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tokenloom.errors import FormatError
 
@@ -58,7 +59,7 @@ class TokenizerRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TokenizerRecord":
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenizerRecord:
         """Parse a sidecar's ``tokenizer`` object; FormatError if fields are missing or wrong."""
         if not isinstance(data, Mapping):
             raise FormatError(f"tokenizer record: expected a JSON object, got {data!r:.80}")

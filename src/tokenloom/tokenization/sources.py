@@ -18,8 +18,9 @@ import gzip
 import json
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from glob import glob
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO
 
 from tokenloom.errors import ConfigError, InputError
 
@@ -478,7 +479,8 @@ def parse_chunk(chunk: RawChunk, *, text_key: str = "text", first_bad_only: bool
                 break
             continue
         if not isinstance(value, str):
-            if reject(number, "not_a_string", f"{path}:{number}: {text_key!r} is {_json_type(value)}, expected a string"):
+            message = f"{path}:{number}: {text_key!r} is {_json_type(value)}, expected a string"
+            if reject(number, "not_a_string", message):
                 break
             continue
         texts.append(value)

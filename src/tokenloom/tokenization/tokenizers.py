@@ -13,7 +13,8 @@ import hashlib
 import itertools
 import json
 import os
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -226,9 +227,9 @@ __all__ = [
     "BYTE_EOD_ID",
     "BYTE_VOCAB_SIZE",
     "EOD_TOKEN_CANDIDATES",
+    "TOKENIZERS",
     "ByteTokenizer",
     "HuggingFaceTokenizer",
-    "TOKENIZERS",
     "Tokenizer",
     "load_tokenizer",
     "tokenizer_kind",
