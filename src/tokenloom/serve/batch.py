@@ -30,6 +30,7 @@ from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
 from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.topology import context_parallel_slice
 from tokenloom.source import SampleSource
+from tokenloom.validate import is_integer
 
 
 class FieldSpec(NamedTuple):
@@ -83,8 +84,7 @@ class BatchPipeline:
         """Name -> :class:`FieldSpec` of every field :meth:`read` returns for ``micro_batch_size``
         samples, in the same order: :meth:`from_rows` on one synthetic row, its first axis set
         to ``micro_batch_size``."""
-        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, (int, np.integer)) \
-                or micro_batch_size < 1:
+        if not is_integer(micro_batch_size) or micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
         row = np.zeros((1, self.source.seq_length + int(self.source.add_extra_token)), dtype=np.int64)  # (1, width)
         one = self.from_rows(row, np.zeros(1, dtype=np.int64))

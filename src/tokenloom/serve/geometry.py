@@ -16,13 +16,12 @@ import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from tokenloom.errors import ConfigError
+from tokenloom.validate import is_integer
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ConfigError(f"{name}={value!r}; expected a positive integer")
     return int(value)
 

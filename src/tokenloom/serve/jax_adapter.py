@@ -30,6 +30,7 @@ from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.topology import Topology
 from tokenloom.source import SampleSource
+from tokenloom.validate import is_integer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +43,9 @@ class ShardOptions:
     """Processes sharing each global batch."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.shard_count, int) and self.shard_count >= 1):
+        if not (is_integer(self.shard_count) and self.shard_count >= 1):
             raise ConfigError(f"ShardOptions.shard_count={self.shard_count!r}; expected a positive integer")
-        if not (isinstance(self.shard_index, int) and 0 <= self.shard_index < self.shard_count):
+        if not (is_integer(self.shard_index) and 0 <= self.shard_index < self.shard_count):
             raise ConfigError(f"ShardOptions.shard_index={self.shard_index!r}; expected an integer in "
                               f"[0, {self.shard_count})")
 
@@ -71,7 +72,7 @@ class HostLoader:
                  max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:
         self.shard = ShardOptions.of(shard)
         count = self.shard.shard_count
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size % count:
+        if not is_integer(global_batch_size) or global_batch_size % count:
             raise ConfigError(f"global_batch_size={global_batch_size!r} is not a multiple of shard_count={count}; "
                               "each process needs the same number of rows")
         self.geometry = BatchGeometry(global_batch_size=global_batch_size, micro_batch_size=global_batch_size // count,

@@ -16,6 +16,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.stream import BlendSegment, SampleStream
 from tokenloom.source import SampleSource
+from tokenloom.validate import is_integer
 
 STATE_FORMAT = "tokenloom-serve-state"
 SCHEMA_VERSION = 1
@@ -120,7 +121,7 @@ class MicroBatchSampler:
         starts after ``step_start`` global samples. The caller keeps ``step_start`` on the
         geometry's schedule (it is the sum of the global batch sizes of steps ``[0, step)``)."""
         for name, value in (("step", step), ("step_start", step_start), ("micro_batch", micro_batch)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            if not is_integer(value) or value < 0:
                 raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
         if micro_batch:  # 0 is in every step
             micro_batches = self.geometry.num_micro_batches_for(self.geometry.global_batch_size_at(int(step_start)))
@@ -184,7 +185,7 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
             "with the build it was saved from")
     for name in ("consumed_samples", "step", "step_start_samples", "micro_batch", "samples_per_micro_step"):
         value = state.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_integer(value) or value < 0:
             raise ConfigError(f"serving state field {name}={value!r}; expected a non-negative integer")
 
 

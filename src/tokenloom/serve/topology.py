@@ -24,6 +24,7 @@ from enum import Enum
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.validate import is_integer
 
 AXES = ("tp", "cp", "dp", "pp")
 """Megatron's default order, fastest-varying first."""
@@ -99,7 +100,7 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ConfigError(f"Topology.{name}={value!r}; expected a positive integer")
         if sorted(self.order) != sorted(AXES):
             raise ConfigError(f"Topology.order={self.order!r}; expected a permutation of {AXES}")
@@ -114,7 +115,7 @@ class Topology:
 
     def coordinates(self, rank: int) -> RankCoordinates:
         """The dp/tp/pp/cp coordinates of a global rank."""
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+        if not is_integer(rank) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank={rank!r}; expected an integer in [0, {self.world_size}) for {self}")
         rest = int(rank)
         coords = {}

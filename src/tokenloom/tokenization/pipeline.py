@@ -40,6 +40,7 @@ from tokenloom.tokenization.sources import (
     read_chunks,
 )
 from tokenloom.tokenization.tokenizers import Tokenizer, load_tokenizer
+from tokenloom.validate import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,15 @@ class TokenizeConfig:
             raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
         if not self.text_key or not self.column:
             raise ConfigError(f"text_key {self.text_key!r} and column {self.column!r} must be non-empty")
-        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 0):
+        if self.workers is not None and (not is_integer(self.workers) or self.workers < 0):
             raise ConfigError(f"workers {self.workers!r}, expected an int >= 0 or None (one per core)")
-        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+        if not is_integer(self.chunk_bytes) or self.chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r}, expected a positive int (e.g. {1 << 20})")
-        if self.eod_id is not None and (not isinstance(self.eod_id, int) or self.eod_id < 0):
+        if self.eod_id is not None and (not is_integer(self.eod_id) or self.eod_id < 0):
             raise ConfigError(f"eod_id {self.eod_id!r}, expected a non-negative int or None")
+        for name in ("workers", "chunk_bytes", "eod_id"):  # numpy integers become plain ints
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def num_workers(self) -> int:

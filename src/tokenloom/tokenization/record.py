@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenloom.errors import FormatError
+from tokenloom.validate import is_integer
 
 TOKENIZER_KINDS = ("bytes", "huggingface")
 
@@ -43,16 +44,19 @@ class TokenizerRecord:
     def __post_init__(self) -> None:
         if self.kind not in TOKENIZER_KINDS:
             raise FormatError(f"tokenizer record: kind {self.kind!r}, expected one of {TOKENIZER_KINDS}")
-        if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+        if not is_integer(self.vocab_size) or self.vocab_size <= 0:
             raise FormatError(f"tokenizer record: vocab_size {self.vocab_size!r}, expected a positive int")
         if self.eod_id is not None and (
-            not isinstance(self.eod_id, int) or not 0 <= self.eod_id < self.vocab_size
+            not is_integer(self.eod_id) or not 0 <= self.eod_id < self.vocab_size
         ):
             raise FormatError(
                 f"tokenizer record: eod_id {self.eod_id!r}, expected an int in [0, {self.vocab_size})"
             )
         if self.append_eod and self.eod_id is None:
             raise FormatError("tokenizer record: append_eod is true but eod_id is null")
+        object.__setattr__(self, "vocab_size", int(self.vocab_size))  # plain ints: the record is JSON
+        if self.eod_id is not None:
+            object.__setattr__(self, "eod_id", int(self.eod_id))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the sidecar's ``tokenizer`` object)."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.tokenization.record import TokenizerRecord
+from tokenloom.validate import is_integer
 
 BYTE_VOCAB_SIZE = 257
 """Ids 0-255 are the UTF-8 bytes, 256 is the end-of-document id."""
@@ -159,12 +160,12 @@ class HuggingFaceTokenizer:
 
     def _find_eod_id(self, eod_id: int | None, require_eod: bool) -> int | None:
         if eod_id is not None:
-            if not isinstance(eod_id, int) or not 0 <= eod_id < self.vocab_size:
+            if not is_integer(eod_id) or not 0 <= eod_id < self.vocab_size:
                 raise ConfigError(
                     f"{self.path}: end-of-document id {eod_id!r} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-            return eod_id
+            return int(eod_id)
         named = _eos_from_tokenizer_config(self.path)
         for token in ((named,) if named else ()) + EOD_TOKEN_CANDIDATES:
             found = self._tokenizer.token_to_id(token)
