@@ -13,6 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tokenloom
 import tokenloom.planning as tp
 from tokenloom.errors import ConfigError, FormatError
 from tokenloom.planning import formulas
@@ -736,3 +737,13 @@ def test_stage_shards_match_megatron_core_ranks() -> None:
             assert [results[0][n + i][2], results[1][n + i][2]] == [pp2[0], pp2[1]], spec
 
     check()
+
+
+def test_token_counts_may_be_written_as_floats() -> None:
+    # the README writes train_tokens=300e9; an integral float is the same count, a fraction is refused
+    as_float = tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536, train_tokens=300e9)
+    as_int = tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536,
+                            train_tokens=300_000_000_000)
+    assert as_float == as_int
+    with pytest.raises(ConfigError, match="train_tokens must be a positive integer"):
+        tp.TrainingSpec(global_batch_size=8, train_tokens=1.5)

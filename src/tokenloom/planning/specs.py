@@ -189,8 +189,12 @@ class TrainingSpec:
                 f"train_tokens={self.train_tokens!r} and train_iters={self.train_iters!r}"
             )
         for name in ("global_batch_size", "global_batch_tokens", "train_tokens", "train_iters"):
-            if getattr(self, name) is not None:
-                _positive_int("TrainingSpec", name, getattr(self, name))
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer() and name.endswith("tokens"):
+                value = int(value)  # token counts are written 300e9 as often as 300_000_000_000
+            if value is not None:
+                _positive_int("TrainingSpec", name, value)
+                object.__setattr__(self, name, int(value))
         _positive_int("TrainingSpec", "eval_interval", self.eval_interval)
         if not is_integer(self.eval_iters) or self.eval_iters < 0:
             raise ConfigError(f"TrainingSpec.eval_iters must be a non-negative integer, got {self.eval_iters!r}")
