@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.kernels import numba_available
 from tokenloom.index.megatron_gpt import (
     SAMPLE_INDEX_KERNELS,
     build_megatron_gpt_indices,
@@ -24,7 +25,6 @@ from tokenloom.index.megatron_gpt import (
     shuffle_index_dtype,
 )
 from tokenloom.index.packing import plan_epochs
-from tokenloom.index.randomstate_shuffle import numba_available
 from tokenloom.index.split import document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset as TokenloomStore
 from index_fixtures import ArrayReader, numbered_documents

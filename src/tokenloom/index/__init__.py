@@ -8,7 +8,9 @@ Two modes share one sample semantics (:mod:`tokenloom.index.packing`):
   sample i" in O(1)-ish time with no per-sample array.
 
 numba (the ``[fast]`` extra) speeds up the sequential kernels; without it every function
-returns the same arrays, more slowly.
+returns the same arrays, more slowly. :mod:`tokenloom.index.kernels` is the one module that knows
+numba: it picks backends and compiles a kernel on first use, so importing this package never
+imports numba.
 """
 
 from tokenloom.index.blend import MAX_BLEND_SIZE, Blend, largest_remainder_counts
