@@ -26,7 +26,7 @@ def weight_vectors(draw, max_datasets=80):
     if kind == "skewed":
         return np.array([draw(st.floats(0.5, 1.0)) * 10.0 ** -draw(st.integers(0, 8)) for _ in range(d)])
     if kind == "tiny":
-        return np.array(draw(st.lists(st.sampled_from([1e-9, 1e-5, 0.0, 1.0, 3.0]), min_size=d, max_size=d)) + [1.0])
+        return np.array([*draw(st.lists(st.sampled_from([1e-09, 1e-05, 0.0, 1.0, 3.0]), min_size=d, max_size=d)), 1.0])
     if kind == "equal":
         return np.ones(d)
     pool = draw(st.lists(st.floats(1e-3, 1.0), min_size=1, max_size=3))

@@ -195,7 +195,7 @@ def test_tokenloom_mode_has_exact_sizes_and_counts():
     spec = BlendSpec(prefixes=("a", "b", "c"), weights=(0.5, 0.3, 0.2))
     plans = plan_split_blends(num_samples=[1001, 17, 0], blend=spec, split="90,5,5", mode="tokenloom")
     for plan, n in zip(plans, [1001, 17, 0]):
-        dataset_ids, sample_ids = plan.build()
+        dataset_ids, _sample_ids = plan.build()
         assert plan.size == n == len(dataset_ids)
         assert sum(plan.dataset_num_samples) == n
         assert np.array_equal(np.bincount(dataset_ids, minlength=3), plan.dataset_num_samples)

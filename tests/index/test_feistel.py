@@ -80,7 +80,7 @@ def test_golden_values_pin_the_construction():
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_bijection_exhaustive_for_small_sizes(backend):
-    for size in list(range(1, 300)) + [511, 512, 513, 4095, 4096, 4097, 70001]:
+    for size in [*list(range(1, 300)), 511, 512, 513, 4095, 4096, 4097, 70001]:
         perm = FeistelPermutation.from_seed(size, seed=size, purpose="t", backend=backend)
         image = perm(np.arange(size))
         assert np.array_equal(np.sort(image), np.arange(size)), size

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import ConfigError
+
 # the module, not the function tokenloom.index re-exports under the same name
 mb = importlib.import_module("tokenloom.index.megatron_blend")
 

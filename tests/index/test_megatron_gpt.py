@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from index_fixtures import ArrayReader, numbered_documents
 from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.kernels import numba_available
 from tokenloom.index.megatron_gpt import (
     SAMPLE_INDEX_KERNELS,
     build_megatron_gpt_indices,
@@ -24,10 +26,8 @@ from tokenloom.index.megatron_gpt import (
     shuffle_index_dtype,
 )
 from tokenloom.index.packing import plan_epochs
-from tokenloom.index.randomstate_shuffle import numba_available
 from tokenloom.index.split import document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset as TokenloomStore
-from index_fixtures import ArrayReader, numbered_documents
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden" / "index"
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -78,7 +78,7 @@ class _RecordingDataset:
 @SETTINGS
 @given(split=split_strings, num_documents=st.one_of(st.integers(0, 50), st.integers(0, 3 * 10**6)))
 def test_split_document_ranges_match_megatron_builder(split, num_documents):
-    config_module, gpt_dataset, Builder, Split, MegatronTokenizer = _megatron()
+    config_module, _gpt_dataset, Builder, _Split, _MegatronTokenizer = _megatron()
     _RecordingDataset.num_documents = num_documents
     config = types.SimpleNamespace(mock=True, fast_cache_load=False)  # all the builder reads
     builder = Builder(_RecordingDataset, [None, None, None], lambda: True, config)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from tokenloom.index.randomstate_shuffle import (  # noqa: E402
+from tokenloom.index.randomstate_shuffle import (
     fast_shuffle,
     interval_draws,
     shuffle_like_randomstate,

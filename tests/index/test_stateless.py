@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from index_fixtures import ArrayReader, numbered_documents
 from tokenloom.errors import ConfigError
 from tokenloom.index.feistel import BACKENDS, FeistelPermutation
 from tokenloom.index.megatron_gpt import build_sample_index, megatron_gpt_sample
 from tokenloom.index.stateless import StatelessGPTIndex, build_stateless_gpt_index
-from index_fixtures import ArrayReader, numbered_documents
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BACKEND_NAMES = sorted(BACKENDS)

@@ -15,7 +15,8 @@ import os
 import pickle
 import subprocess
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

@@ -12,25 +12,25 @@ order): it stores only its per-dataset counts; positions are located on demand.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from tokenloom.builder.exact import plan_from_dict, plan_to_dict
 from tokenloom.errors import BuildError
 from tokenloom.index.blend import Blend
-from tokenloom.index.feistel import resolve_backend
+from tokenloom.index.kernels import resolve_backend
 from tokenloom.index.split import DocumentRange, document_ids
-from tokenloom.index.stateless import StatelessGPTIndex, build_stateless_gpt_index
+from tokenloom.index.stateless import BACKENDS, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
-
 
 #: Documents below which the numpy kernels run (identical results; numba's compile costs more).
 SMALL_SPLIT_DOCUMENTS = 1 << 18
 
 
 def _backend(num_documents: int) -> str:
-    return "numpy" if num_documents < SMALL_SPLIT_DOCUMENTS else resolve_backend("auto")
+    return "numpy" if num_documents < SMALL_SPLIT_DOCUMENTS else resolve_backend("auto", BACKENDS, fallback="numpy")
 
 
 def build_stateless_gpt_arrays(prefix: str, params: Mapping[str, Any], *,
@@ -42,7 +42,7 @@ def build_stateless_gpt_arrays(prefix: str, params: Mapping[str, Any], *,
         store.sequence_lengths, document_ids(DocumentRange(params["begin"], params["end"])),
         num_samples=params["num_samples"], seq_length=params["seq_length"], seed=params["seed"],
         add_extra_token=params["add_extra_token"],
-        backend=resolve_backend("auto") if compiled else _backend(params["end"] - params["begin"]))
+        backend="auto" if compiled else _backend(params["end"] - params["begin"]))
     if index.document_ids is not None:  # a split is always a contiguous range of documents
         raise BuildError(f"{prefix}: documents {params['begin']}..{params['end']} did not form one range")
     arrays = {"block_token_starts": index.block_token_starts, "document_keys": index.document_keys}

@@ -8,7 +8,9 @@ Two modes share one sample semantics (:mod:`tokenloom.index.packing`):
   sample i" in O(1)-ish time with no per-sample array.
 
 numba (the ``[fast]`` extra) speeds up the sequential kernels; without it every function
-returns the same arrays, more slowly.
+returns the same arrays, more slowly. :mod:`tokenloom.index.kernels` is the one module that knows
+numba: it picks backends and compiles a kernel on first use, so importing this package never
+imports numba.
 """
 
 from tokenloom.index.blend import MAX_BLEND_SIZE, Blend, largest_remainder_counts
@@ -38,6 +40,7 @@ from tokenloom.index.split import (
 from tokenloom.index.stateless import SampleSpans, StatelessGPTIndex, build_stateless_gpt_index
 
 __all__ = [
+    "MAX_BLEND_SIZE",
     "Blend",
     "BlendSpec",
     "DocumentRange",
@@ -45,7 +48,6 @@ __all__ = [
     "FeistelPermutation",
     "GPTIndices",
     "GPTSample",
-    "MAX_BLEND_SIZE",
     "MegatronSizes",
     "SampleSpans",
     "SplitBlendPlan",

@@ -1,4 +1,5 @@
-"""numba kernels behind :mod:`tokenloom.index.randomstate_shuffle` (imports numba).
+"""The kernels behind :mod:`tokenloom.index.randomstate_shuffle`: plain Python, compiled by numba
+on first use (:func:`tokenloom.index.kernels.compiled`).
 
 MT19937 as numpy implements it (generate 624 words at a time, temper each output), numpy's
 ``random_interval`` (masked rejection; 64-bit draws take the high word first), and a Fisher-Yates
@@ -7,8 +8,9 @@ pass that makes a block of draws before doing that block's swaps.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from tokenloom.index.kernels import jit
 
 MT_STATE_WORDS = 624
 """MT19937 state size in 32-bit words."""
@@ -20,13 +22,13 @@ _ONE = np.uint32(1)
 _ZERO = np.uint32(0)
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _twist(key, i, successor, source):
     y = (key[i] & _UPPER) | (key[successor] & _LOWER)
     key[i] = key[source] ^ (y >> _ONE) ^ ((_ZERO - (y & _ONE)) & _MATRIX)
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _regenerate(key):
     """The next 624 words of the state, in place."""
     for i in range(MT_STATE_WORDS - MT_SHIFT):
@@ -36,7 +38,7 @@ def _regenerate(key):
     _twist(key, MT_STATE_WORDS - 1, 0, MT_SHIFT - 1)
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _next_word(key, index):
     """(tempered output, next index); ``index`` 624 means the state must be regenerated first."""
     if index == MT_STATE_WORDS:
@@ -50,7 +52,7 @@ def _next_word(key, index):
     return y, index + 1
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _interval(key, index, largest):
     """(uniform draw in ``[0, largest]`` by masked rejection as numpy's ``random_interval``,
     next index)."""
@@ -80,7 +82,7 @@ def _interval(key, index, largest):
     return value, index
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True, cache=True)
 def shuffle(array, key, position, block):
     """Fisher-Yates from the end, as RandomState.shuffle; draws made a block ahead of swaps.
     ``position[0]`` is the generator's word index, read at the start and written at the end."""
@@ -102,7 +104,7 @@ def shuffle(array, key, position, block):
     position[0] = index
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True, cache=True)
 def intervals(key, position, largest, count):
     """``count`` draws in ``[0, largest]``."""
     out = np.empty(count, dtype=np.uint64)

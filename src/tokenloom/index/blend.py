@@ -45,16 +45,17 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index._backends import choose_backend
 from tokenloom.index.feistel import derive_round_keys, feistel_bits
+from tokenloom.index.kernels import compiled, compiled_on_call, jit, numba_available, resolve_backend
 
-__all__ = ["Blend", "largest_remainder_counts", "MAX_BLEND_SIZE", "dataset_id_dtype"]
+__all__ = ["MAX_BLEND_SIZE", "Blend", "dataset_id_dtype", "largest_remainder_counts"]
 
 #: ``j * C_a`` must fit in int64: sizes up to floor(sqrt(2**63 - 1)).
 MAX_BLEND_SIZE = 3_037_000_499
@@ -146,7 +147,7 @@ def _prefix_bounds(counts, node_count, left, right, root) -> np.ndarray:
         node, above = stack.pop()
         for child in (left[node], right[node]):
             child_count = node_count[child] if child >= 0 else counts[-child - 1]
-            path = above + (int(child_count),)
+            path = (*above, int(child_count))
             if child >= 0:
                 stack.append((int(child), path))
             else:
@@ -156,11 +157,6 @@ def _prefix_bounds(counts, node_count, left, right, root) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ kernels
-
-try:  # numba is the optional [fast] extra; the numpy path gives identical results
-    import numba as _numba
-except ImportError:  # pragma: no cover - exercised only without numba
-    _numba = None
 
 
 def _lookup_numpy(positions, node_count, left_count, left, right, root, dataset_out, sample_out):
@@ -187,9 +183,10 @@ def _lookup_numpy(positions, node_count, left_count, left, right, root, dataset_
 _LANES = 8  # positions walked side by side: their dependency chains overlap in the CPU
 
 
-def _lookup_python(positions, node_count, left_count, ratio, half, left, right, root,
+@jit(nogil=True, cache=True)
+def _lookup_kernel(positions, node_count, left_count, ratio, half, left, right, root,
                    dataset_out, sample_out):
-    """Walk each position down the tree, ``_LANES`` at a time (compiled by numba when available)."""
+    """Walk each position down the tree, ``_LANES`` at a time (the numba backend compiles it)."""
     n = positions.shape[0]
     slot = np.empty(_LANES, np.int64)
     node = np.empty(_LANES, np.int64)
@@ -227,7 +224,8 @@ def _lookup_python(positions, node_count, left_count, ratio, half, left, right, 
             sample_out[start + lane] = slot[lane]
 
 
-def _materialize_python(first, stop, node_count, left_count, left, right, num_datasets,
+@jit(nogil=True, cache=True)
+def _materialize_kernel(first, stop, node_count, left_count, left, right, num_datasets,
                         dataset_out, sample_out):
     """Positions ``first .. stop-1`` of the blend into ``dataset_out``/``sample_out`` (their
     slices): every node's run of dataset ids, children merged by the Bresenham rule, bottom-up.
@@ -238,7 +236,8 @@ def _materialize_python(first, stop, node_count, left_count, left, right, num_da
     node order (a Huffman node's children are leaves or nodes created before it), each node
     merges its children's runs from the Bresenham state at its first slot; a leaf's run is its
     dataset id repeated. A leaf's first slot is the number of its samples before ``first``,
-    so the numbering starts there. Ranges are independent: threads can take one each.
+    so the numbering starts there. Ranges are independent: threads can take one each. The
+    numba backend compiles it.
     """
     num_nodes = node_count.shape[0]
     root = num_nodes - 1
@@ -334,14 +333,58 @@ def _window_permute_numpy(offsets, window_index, length, keys):
     return x.astype(np.int64)
 
 
-_lookup_compiled = None
-_materialize_compiled = None
-if _numba is not None:
-    _lookup_compiled = _numba.njit(nogil=True, cache=True)(_lookup_python)
-    _materialize_compiled = _numba.njit(nogil=True, cache=True)(_materialize_python)
+def _lookup_in_chunks(positions, node_count, left_count, ratio, half, left, right, root, dataset_out, sample_out):
+    """:func:`_lookup_numpy` a chunk of positions at a time (``ratio`` and ``half`` unused)."""
+    for start in range(0, positions.shape[0], _CHUNK):
+        part = slice(start, start + _CHUNK)
+        _lookup_numpy(positions[part], node_count, left_count, left, right, root, dataset_out[part],
+                      sample_out[part])
 
-#: Backends for lookup/materialize; identical results.
-BACKENDS: tuple[str, ...] = ("numpy", "numba") if _numba is not None else ("numpy",)
+
+def _materialize_with_numpy(blend: Blend, dataset_ids: np.ndarray, sample_ids: np.ndarray,
+                            threads: int) -> None:
+    """Every position looked up, a chunk at a time (``threads`` unused)."""
+    for start in range(0, blend.size, _CHUNK):
+        positions = np.arange(start, min(blend.size, start + _CHUNK), dtype=np.int64)
+        d, s = blend._walk(positions)
+        dataset_ids[start : start + len(positions)] = d
+        sample_ids[start : start + len(positions)] = s
+
+
+def _materialize_with_numba(blend: Blend, dataset_ids: np.ndarray, sample_ids: np.ndarray,
+                            threads: int) -> None:
+    """The tree's runs merged bottom-up, ``threads`` ranges of positions at once."""
+    kernel = compiled(_materialize_kernel)
+    chunks = max(1, min(threads, blend.size // _MIN_MATERIALIZE_CHUNK))
+    bounds = [blend.size * k // chunks for k in range(chunks + 1)]
+
+    def fill(k: int) -> None:
+        first, stop = bounds[k], bounds[k + 1]
+        kernel(first, stop, blend._node_count, blend._left_count, blend._left, blend._right, blend.num_datasets,
+               dataset_ids[first:stop], sample_ids[first:stop])
+
+    if chunks == 1:
+        fill(0)
+    else:  # each range on its own thread (the kernel releases the GIL)
+        with ThreadPoolExecutor(max_workers=chunks) as pool:
+            for future in [pool.submit(fill, k) for k in range(chunks)]:
+                future.result()
+
+
+class OrderKernels(NamedTuple):
+    """One backend's walks of the unseeded order (the blend has at least two datasets with samples)."""
+
+    lookup: Callable[..., None]
+    """``(positions, node_count, left_count, ratio, half, left, right, root, dataset_out, sample_out)``:
+    fill the two int64 outputs at ``positions`` (the arguments of :func:`_lookup_kernel`)."""
+    materialize: Callable[[Blend, np.ndarray, np.ndarray, int], None]
+    """``(blend, dataset_ids, sample_ids, threads)``: fill the whole blend's two arrays."""
+
+
+#: Backends for lookup/materialize (those that can run here); identical results.
+BACKENDS: dict[str, OrderKernels] = {"numpy": OrderKernels(_lookup_in_chunks, _materialize_with_numpy)}
+if numba_available():
+    BACKENDS["numba"] = OrderKernels(compiled_on_call(_lookup_kernel), _materialize_with_numba)
 
 
 # ----------------------------------------------------------------------------------- the blend
@@ -387,8 +430,8 @@ class Blend:
         """Seed of the within-window shuffle, or None for the closed-form order."""
         self.window: int | None = None if window is None else int(window)
         """Positions per shuffled window."""
-        self.backend: str = choose_backend(backend, BACKENDS, fallback="numpy")
-        """Kernel backend in use."""
+        self.backend: str = resolve_backend(backend, BACKENDS, fallback="numpy")
+        """Kernel backend in use (a key of :data:`BACKENDS`)."""
         self.counts: np.ndarray = largest_remainder_counts(self.weights, self.size)
         """``(D,)`` int64 samples per dataset (largest remainder), summing to ``size``."""
         starved = np.flatnonzero((self.counts == 0) & (self.weights > 0))
@@ -454,14 +497,9 @@ class Blend:
         if self._root < 0:  # one dataset has every sample
             dataset_ids[:] = -self._root - 1
             sample_ids[:] = positions
-        elif self.backend == "numba":
-            _lookup_compiled(positions, self._node_count, self._left_count, self._ratio, self._half,
-                             self._left, self._right, self._root, dataset_ids, sample_ids)
         else:
-            for start in range(0, positions.shape[0], _CHUNK):
-                part = slice(start, start + _CHUNK)
-                _lookup_numpy(positions[part], self._node_count, self._left_count, self._left,
-                              self._right, self._root, dataset_ids[part], sample_ids[part])
+            BACKENDS[self.backend].lookup(positions, self._node_count, self._left_count, self._ratio, self._half,
+                                          self._left, self._right, self._root, dataset_ids, sample_ids)
         return dataset_ids, sample_ids
 
     def lookup(self, positions) -> tuple[np.ndarray, np.ndarray]:
@@ -500,26 +538,6 @@ class Blend:
         elif self._root < 0:
             dataset_ids[:] = -self._root - 1
             sample_ids[:] = np.arange(self.size)
-        elif self.backend == "numba":
-            chunks = max(1, min(threads, self.size // _MIN_MATERIALIZE_CHUNK))
-            bounds = [self.size * k // chunks for k in range(chunks + 1)]
-
-            def fill(k: int) -> None:
-                first, stop = bounds[k], bounds[k + 1]
-                _materialize_compiled(first, stop, self._node_count, self._left_count, self._left,
-                                      self._right, self.num_datasets, dataset_ids[first:stop],
-                                      sample_ids[first:stop])
-
-            if chunks == 1:
-                fill(0)
-            else:  # each range on its own thread (the kernel releases the GIL)
-                with ThreadPoolExecutor(max_workers=chunks) as pool:
-                    for future in [pool.submit(fill, k) for k in range(chunks)]:
-                        future.result()
         else:
-            for start in range(0, self.size, _CHUNK):
-                positions = np.arange(start, min(self.size, start + _CHUNK), dtype=np.int64)
-                d, s = self._walk(positions)
-                dataset_ids[start : start + len(positions)] = d
-                sample_ids[start : start + len(positions)] = s
+            BACKENDS[self.backend].materialize(self, dataset_ids, sample_ids, threads)
         return dataset_ids, sample_ids

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,9 +37,9 @@ from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_b
 from tokenloom.index.split import SPLIT_NAMES, split_bookends
 
 __all__ = [
+    "DEFAULT_SURPLUS",
     "SIZING_MODES",
     "WEIGHT_UNITS",
-    "DEFAULT_SURPLUS",
     "BlendSpec",
     "MegatronSizes",
     "SplitBlendPlan",
@@ -101,7 +101,7 @@ class BlendSpec:
         object.__setattr__(self, "weights", weights)
 
     @classmethod
-    def from_megatron_list(cls, blend: Sequence[str]) -> "BlendSpec":
+    def from_megatron_list(cls, blend: Sequence[str]) -> BlendSpec:
         """Read megatron's flat blend list: ``["30", "a", "70", "b"]`` or ``["a", "b"]``.
 
         Like megatron-core's ``get_blend_from_list``: an even-length list whose every other
@@ -206,8 +206,8 @@ def megatron_sizes(weights, num_samples: int, *, surplus: float = DEFAULT_SURPLU
     if not math.isfinite(surplus) or surplus < 0:
         raise ConfigError(f"surplus={surplus!r}; expected a finite, non-negative fraction such as 0.005")
     normalised = megatron_normalize(weights).tolist()
-    targets = tuple(int(math.ceil(n * w)) for w in normalised)
-    buffers = tuple(int(math.ceil(math.ceil(n * w) * (1 + surplus))) for w in normalised)
+    targets = tuple(math.ceil(n * w) for w in normalised)
+    buffers = tuple(math.ceil(math.ceil(n * w) * (1 + surplus)) for w in normalised)
     # BlendedDataset normalises the builder's already normalised weights once more
     blend_weights = tuple(megatron_normalize(normalised).tolist())
     return MegatronSizes(targets=targets, buffers=buffers, blended_size=sum(targets), blend_weights=blend_weights)

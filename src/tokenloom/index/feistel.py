@@ -31,7 +31,8 @@ seed, the purpose, the epoch and the size (see :func:`derive_round_keys`), so a
 permutation is reproducible across platforms and numpy versions from FORMAT.md.
 
 Two backends compute bit-identical results: ``"numpy"`` (vectorised uint64
-arithmetic, chunked) and ``"numba"`` (compiled loops, the ``[fast]`` extra).
+arithmetic, chunked) and ``"numba"`` (compiled loops, the ``[fast]`` extra, compiled on
+first use by :mod:`tokenloom.index.kernels`).
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ import dataclasses
 import functools
 import hashlib
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index._backends import choose_backend
+from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
 
 __all__ = [
     "LARGE_DOMAIN_ROUNDS",
@@ -56,7 +57,6 @@ __all__ = [
     "derive_round_keys",
     "feistel_bits",
     "fmix64",
-    "numba_available",
 ]
 
 #: Rounds for domains of at most 2**16 elements. With 6 rounds the 2- and 3-element
@@ -172,109 +172,100 @@ def _walk_numpy(x: np.ndarray, size: int, bits: int, keys: np.ndarray, step: Cal
 
 
 # ---------------------------------------------------------------------------- numba backend
-
-try:  # numba is the optional [fast] extra; the numpy path gives identical results
-    import numba as _numba
-except ImportError:  # pragma: no cover - exercised only without numba
-    _numba = None
+# Plain Python, compiled by numba on first use (tokenloom.index.kernels); the stateless index's
+# kernels call permute_into and _permute_numba too.
 
 
-def numba_available() -> bool:
-    """Whether the compiled backend can be used."""
-    return _numba is not None
+@jit(inline="always")
+def _fmix64_scalar(z):
+    z ^= z >> np.uint64(33)
+    z *= np.uint64(0xFF51AFD7ED558CCD)
+    z ^= z >> np.uint64(33)
+    z *= np.uint64(0xC4CEB9FE1A85EC53)
+    z ^= z >> np.uint64(33)
+    return z
 
 
-if _numba is not None:
+@jit(nogil=True)
+def _network_batch(buf, count, bits, keys, inverse):
+    """One pass of the network (or its inverse) over ``buf[:count]``, in place.
 
-    @_numba.njit(inline="always")
-    def _fmix64_scalar(z):
-        z ^= z >> np.uint64(33)
-        z *= np.uint64(0xFF51AFD7ED558CCD)
-        z ^= z >> np.uint64(33)
-        z *= np.uint64(0xC4CEB9FE1A85EC53)
-        z ^= z >> np.uint64(33)
-        return z
+    Rounds outside, elements inside: the elements are independent, so the CPU
+    overlaps their multiply chains (several times faster than one index at a time).
+    """
+    rounds = keys.shape[0]
+    one = np.uint64(1)
+    for step in range(rounds):
+        r = rounds - 1 - step if inverse else step
+        w = np.uint64(bits // 2) if r % 2 == 0 else np.uint64(bits - bits // 2)
+        h = np.uint64(bits) - w
+        key = keys[r]
+        low_mask = (one << w) - one
+        high_mask = (one << h) - one
+        if inverse:
+            for j in range(count):
+                y = buf[j]
+                lo = y >> h
+                hi = (y - _fmix64_scalar(lo ^ key)) & high_mask
+                buf[j] = (hi << w) | lo
+        else:
+            for j in range(count):
+                x = buf[j]
+                lo = x & low_mask
+                buf[j] = (lo << h) | (((x >> w) + _fmix64_scalar(lo ^ key)) & high_mask)
 
-    @_numba.njit(nogil=True)
-    def _network_batch(buf, count, bits, keys, inverse):
-        """One pass of the network (or its inverse) over ``buf[:count]``, in place.
 
-        Rounds outside, elements inside: the elements are independent, so the CPU
-        overlaps their multiply chains (several times faster than one index at a time).
-        """
-        rounds = keys.shape[0]
-        one = np.uint64(1)
-        for step in range(rounds):
-            r = rounds - 1 - step if inverse else step
-            w = np.uint64(bits // 2) if r % 2 == 0 else np.uint64(bits - bits // 2)
-            h = np.uint64(bits) - w
-            key = keys[r]
-            low_mask = (one << w) - one
-            high_mask = (one << h) - one
-            if inverse:
-                for j in range(count):
-                    y = buf[j]
-                    lo = y >> h
-                    hi = (y - _fmix64_scalar(lo ^ key)) & high_mask
-                    buf[j] = (hi << w) | lo
-            else:
-                for j in range(count):
-                    x = buf[j]
-                    lo = x & low_mask
-                    buf[j] = (lo << h) | (((x >> w) + _fmix64_scalar(lo ^ key)) & high_mask)
+@jit(nogil=True)
+def _settle(buf, slot, active, limit, out):
+    """Write every walked value to ``out``; keep those still outside ``[0, limit)``.
 
-    @_numba.njit(nogil=True)
-    def _settle(buf, slot, active, limit, out):
-        """Write every walked value to ``out``; keep those still outside ``[0, limit)``.
+    Branch-free: a value still outside is written too, and overwritten by a later pass.
+    """
+    kept = 0
+    for j in range(active):
+        value = buf[j]
+        out[slot[j]] = np.int64(value)
+        buf[kept] = value
+        slot[kept] = slot[j]
+        kept += np.int64(value >= limit)
+    return kept
 
-        Branch-free: a value still outside is written too, and overwritten by a later pass.
-        """
-        kept = 0
-        for j in range(active):
-            value = buf[j]
-            out[slot[j]] = np.int64(value)
-            buf[kept] = value
-            slot[kept] = slot[j]
-            kept += np.int64(value >= limit)
-        return kept
 
-    @_numba.njit(nogil=True)
-    def permute_into(first, count, step_size, size, bits, keys, inverse, buf, slot, out):
-        """``out[k] = perm(first + k * step_size)`` for ``k < count`` (cycle walking included).
+@jit(nogil=True)
+def permute_into(first, count, step_size, size, bits, keys, inverse, buf, slot, out):
+    """``out[k] = perm(first + k * step_size)`` for ``k < count`` (cycle walking included).
 
-        ``buf`` (uint64) and ``slot`` (int64) are scratch arrays of at least ``count``
-        elements; callers reuse them across calls. Used by the index kernels.
-        """
+    ``buf`` (uint64) and ``slot`` (int64) are scratch arrays of at least ``count``
+    elements; callers reuse them across calls. Used by the index kernels.
+    """
+    for k in range(count):
+        buf[k] = np.uint64(first + k * step_size)
+        slot[k] = k
+    active = count
+    limit = np.uint64(size)
+    while active > 0:
+        _network_batch(buf, active, bits, keys, inverse)
+        active = _settle(buf, slot, active, limit, out)
+
+
+@jit(cache=True, nogil=True)
+def _permute_numba(indices, size, bits, keys, inverse):
+    batch = 1024
+    out = np.empty(indices.shape[0], dtype=np.int64)
+    buf = np.empty(batch, dtype=np.uint64)
+    slot = np.empty(batch, dtype=np.int64)
+    active = 0
+    limit = np.uint64(size)
+    for start in range(0, indices.shape[0], batch):
+        count = min(batch, indices.shape[0] - start)
         for k in range(count):
-            buf[k] = np.uint64(first + k * step_size)
-            slot[k] = k
+            buf[k] = np.uint64(indices[start + k])
+            slot[k] = start + k
         active = count
-        limit = np.uint64(size)
         while active > 0:
             _network_batch(buf, active, bits, keys, inverse)
             active = _settle(buf, slot, active, limit, out)
-
-    @_numba.njit(cache=True, nogil=True)
-    def _permute_numba(indices, size, bits, keys, inverse):
-        batch = 1024
-        out = np.empty(indices.shape[0], dtype=np.int64)
-        buf = np.empty(batch, dtype=np.uint64)
-        slot = np.empty(batch, dtype=np.int64)
-        active = 0
-        limit = np.uint64(size)
-        for start in range(0, indices.shape[0], batch):
-            count = min(batch, indices.shape[0] - start)
-            for k in range(count):
-                buf[k] = np.uint64(indices[start + k])
-                slot[k] = start + k
-            active = count
-            while active > 0:
-                _network_batch(buf, active, bits, keys, inverse)
-                active = _settle(buf, slot, active, limit, out)
-        return out
-
-else:  # pragma: no cover
-    permute_into = None
+    return out
 
 
 def _permute_numpy(indices: np.ndarray, size: int, bits: int, keys: np.ndarray, inverse: bool) -> np.ndarray:
@@ -282,19 +273,10 @@ def _permute_numpy(indices: np.ndarray, size: int, bits: int, keys: np.ndarray, 
     return _walk_numpy(indices.astype(np.uint64), size, bits, keys, step).astype(np.int64)
 
 
-def _permute_compiled(indices: np.ndarray, size: int, bits: int, keys: np.ndarray, inverse: bool) -> np.ndarray:
-    return _permute_numba(indices, size, bits, keys, inverse)
-
-
-#: Backends that compute the permutation; all give identical results.
+#: Backends that compute the permutation (those that can run here); all give identical results.
 BACKENDS: dict[str, Callable[..., np.ndarray]] = {"numpy": _permute_numpy}
-if _numba is not None:
-    BACKENDS["numba"] = _permute_compiled
-
-
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` -> ``"numba"`` when installed, else ``"numpy"``; other names are checked."""
-    return choose_backend(backend, BACKENDS, fallback="numpy")
+if numba_available():
+    BACKENDS["numba"] = compiled_on_call(_permute_numba)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -314,11 +296,11 @@ class FeistelPermutation:
         if not 1 <= len(self.round_keys) <= 8 or any(not 0 <= int(k) < (1 << 64) for k in self.round_keys):
             raise ConfigError(f"round_keys={self.round_keys!r} must be 1 to 8 integers in [0, 2**64)")
         object.__setattr__(self, "size", int(self.size))
-        object.__setattr__(self, "backend", resolve_backend(self.backend))
+        object.__setattr__(self, "backend", resolve_backend(self.backend, BACKENDS, fallback="numpy"))
 
     @classmethod
     def from_seed(cls, size: int, *, seed: int, purpose: str, epoch: int = 0,
-                  rounds: int | None = None, backend: str = "auto") -> "FeistelPermutation":
+                  rounds: int | None = None, backend: str = "auto") -> FeistelPermutation:
         """The permutation of ``[0, size)`` keyed by ``(seed, purpose, epoch, size)``.
 
         ``rounds=None`` takes :func:`default_rounds` of ``size``.

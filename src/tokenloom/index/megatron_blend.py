@@ -38,26 +38,29 @@ replayed or rerun from the true state, so the arrays are megatron's for any gues
 The exhaustive variant (``build_exhaustive_blending_indices``: weights ``size_d / total``, a
 dataset dropped once it has given ``size_d`` samples) runs through the same kernel.
 
-Backends: ``"numba"`` compiles the kernel (the ``[fast]`` extra); ``"python"`` runs the very
-same functions in the Python interpreter (slow: for checking, and for installs without numba).
-Both give identical arrays; :func:`_reference_megatron_blend` is the plain O(size x D) loop.
+Backends (:class:`GreedyKernels`): ``"numba"`` compiles the kernels on first use (the ``[fast]``
+extra, through :mod:`tokenloom.index.kernels`); ``"python"`` runs the very same functions in the
+Python interpreter (slow: for checking, for small blends that would not repay the compile, and
+for installs without numba). Both give identical arrays; :func:`_reference_megatron_blend` is the
+plain O(size x D) loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index._backends import choose_backend
+from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
 
 __all__ = [
     "MEGATRON_MAX_DATASETS",
     "megatron_blend",
-    "megatron_exhaustive_blend",
     "megatron_dataset_id_dtype",
+    "megatron_exhaustive_blend",
 ]
 
 #: megatron-core stores dataset ids as int16 and asserts ``len(datasets) < 32767``.
@@ -75,28 +78,18 @@ def megatron_dataset_id_dtype(num_datasets: int) -> np.dtype:
 
 
 # ------------------------------------------------------------------------------------- kernel
-
-try:  # numba is the optional [fast] extra; the python backend runs the same functions
-    import numba as _numba
-except ImportError:  # pragma: no cover - exercised only without numba
-    _numba = None
+# Plain Python; the numba backend compiles them all (tokenloom.index.kernels), the python one
+# runs them as they are.
 
 
-def _jit(**options):
-    """``numba.njit(**options)`` when numba is installed, else the function unchanged."""
-    if _numba is None:  # pragma: no cover
-        return lambda function: function
-    return _numba.njit(**options)
-
-
-@_jit(inline="always", cache=True)
+@jit(inline="always", cache=True)
 def _error(w, i, c):
     """megatron's error at step ``i``: ``fl(fl(w * double(max(i, 1))) - double(c))``."""
     x = float(i) if i > 1 else 1.0
     return w * x - float(c)
 
 
-@_jit(cache=True)
+@jit(cache=True)
 def _join_time(w, c, theta, start, stop):
     """First step ``t`` in ``[start, stop)`` with ``_error(w, t, c) >= theta``; ``stop`` if none.
 
@@ -118,7 +111,7 @@ def _join_time(w, c, theta, start, stop):
     return t
 
 
-@_jit(inline="always", cache=True)
+@jit(inline="always", cache=True)
 def _pool_add(g, pool_size, in_pool, pool_g, pool_w, pool_c, pool_rep, weight, count_f, rep):
     in_pool[g] = pool_size
     pool_g[pool_size] = g
@@ -128,7 +121,7 @@ def _pool_add(g, pool_size, in_pool, pool_g, pool_w, pool_c, pool_rep, weight, c
     return pool_size + 1
 
 
-@_jit(inline="always", cache=True)
+@jit(inline="always", cache=True)
 def _pool_remove(g, pool_size, in_pool, pool_g, pool_w, pool_c, pool_rep):
     k = in_pool[g]
     last = pool_size - 1
@@ -142,7 +135,7 @@ def _pool_remove(g, pool_size, in_pool, pool_g, pool_w, pool_c, pool_rep):
     return last
 
 
-@_jit(inline="always", cache=True)
+@jit(inline="always", cache=True)
 def _link(g, t, head, nxt, prv, event):
     b = t & (_RING - 1)
     event[g] = t
@@ -153,7 +146,7 @@ def _link(g, t, head, nxt, prv, event):
     head[b] = g
 
 
-@_jit(nogil=True, cache=True)
+@jit(nogil=True, cache=True)
 def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop, theta0, counts,
                    out_dataset, out_sample):
     """Fill ``out_dataset``/``out_sample`` (length ``stop - start``) with megatron's greedy
@@ -348,7 +341,7 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
     return 0
 
 
-@_jit(inline="always", cache=True)
+@jit(inline="always", cache=True)
 def _scan_best(weight, counts_f, i):
     """megatron's pick at step ``i``: the largest error, ties to the lowest id (every dataset)."""
     x = float(i) if i > 1 else 1.0
@@ -362,7 +355,7 @@ def _scan_best(weight, counts_f, i):
     return best
 
 
-@_jit(nogil=True, cache=True)
+@jit(nogil=True, cache=True)
 def _scan_kernel(weight, limit, start, stop, counts, out_dataset, out_sample):
     """megatron's loop itself, for a handful of datasets: every error, every step (steps
     ``start .. stop-1`` from ``counts``, updated in place)."""
@@ -379,7 +372,7 @@ def _scan_kernel(weight, limit, start, stop, counts, out_dataset, out_sample):
     return 0
 
 
-@_jit(nogil=True, cache=True)
+@jit(nogil=True, cache=True)
 def _resync_kernel(weight, limit, start, stop, counts, guessed, out_dataset, out_sample, max_steps):
     """Repair a chunk that was run from a guessed state: from the true ``counts`` at ``start``,
     replay megatron's loop over the chunk's recorded picks, overwriting them, until the true
@@ -414,14 +407,24 @@ def _resync_kernel(weight, limit, start, stop, counts, guessed, out_dataset, out
     return i, apart == 0
 
 
-_KERNELS: dict[str, tuple[Callable, Callable, Callable]] = {
-    "python": tuple(getattr(k, "py_func", k) for k in (_scan_kernel, _greedy_kernel, _resync_kernel))
-}
-if _numba is not None:
-    _KERNELS["numba"] = (_scan_kernel, _greedy_kernel, _resync_kernel)
+class GreedyKernels(NamedTuple):
+    """The three kernels of :func:`_run`, of one backend."""
 
-#: Backends that run the greedy; all give identical arrays.
-BACKENDS = tuple(_KERNELS)
+    scan: Callable
+    """:func:`_scan_kernel`: megatron's own loop, for a handful of datasets."""
+    greedy: Callable
+    """:func:`_greedy_kernel`: the pool and the calendar, for many datasets."""
+    resync: Callable
+    """:func:`_resync_kernel`: a chunk run from a guessed state, repaired."""
+
+
+_PYTHON_KERNELS = GreedyKernels(scan=_scan_kernel, greedy=_greedy_kernel, resync=_resync_kernel)
+
+#: Backends that run the greedy (those that can run here); all give identical arrays. "numba"
+#: compiles the same functions on their first call.
+BACKENDS: dict[str, GreedyKernels] = {"python": _PYTHON_KERNELS}
+if numba_available():
+    BACKENDS["numba"] = GreedyKernels(*(compiled_on_call(kernel) for kernel in _PYTHON_KERNELS))
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -497,7 +500,7 @@ def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threa
     sample_ids = np.zeros(size, dtype=np.int64)
     if size == 0:
         return dataset_ids, sample_ids
-    scan, greedy, resync = _KERNELS[choose_backend(backend, _KERNELS, fallback="python")]
+    kernels = BACKENDS[resolve_backend(backend, BACKENDS, fallback="python")]
     if weights.shape[0] <= _SCAN_DATASETS:  # few datasets: megatron's own loop is the fastest
         group_weight = group_limit = None
         member_start = np.arange(num_datasets + 1, dtype=np.int64)
@@ -511,9 +514,10 @@ def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threa
         """Steps start..stop-1 from counts (updated to the counts at stop)."""
         out_d, out_s = dataset_ids[start:stop], sample_ids[start:stop]
         if group_weight is None:
-            scan(weights, limits, start, stop, counts, out_d, out_s)
+            kernels.scan(weights, limits, start, stop, counts, out_d, out_s)
         else:
-            greedy(group_weight, group_limit, member_start, members, start, stop, theta0, counts, out_d, out_s)
+            kernels.greedy(group_weight, group_limit, member_start, members, start, stop, theta0, counts, out_d,
+                           out_s)
 
     chunks = max(1, min(int(threads), size // _MIN_CHUNK))
     bounds = [size * k // chunks for k in range(chunks + 1)]
@@ -533,7 +537,7 @@ def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threa
         start, stop = bounds[k], bounds[k + 1]
         if not np.array_equal(true_state, starts[k]):
             counts = true_state.copy()
-            step, met = resync(weights, limits, start, stop, counts, starts[k], dataset_ids[start:stop],
+            step, met = kernels.resync(weights, limits, start, stop, counts, starts[k], dataset_ids[start:stop],
                                sample_ids[start:stop], replay_steps)
             if not met:  # the guess never caught up: the true run goes on from where the replay stopped
                 if step < stop:

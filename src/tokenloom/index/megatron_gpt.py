@@ -12,20 +12,23 @@ The RandomState draws are megatron-core's, in its order: the document shuffle (t
 ``num_epochs - 1`` epochs together, then the final epoch apart when it is short), then the sample
 shuffle (likewise in two parts). With numba the shuffles run in
 :mod:`tokenloom.index.randomstate_shuffle` (same draws, same result, faster) and the sample walk
-is compiled; without it, RandomState's own shuffle and a vectorised numpy walk give the same
-arrays. :data:`SAMPLE_INDEX_KERNELS` names the alternatives.
+is compiled (on first use, :mod:`tokenloom.index.kernels`); without it, RandomState's own shuffle
+and a vectorised numpy walk give the same arrays. :data:`SAMPLE_INDEX_KERNELS` names the
+alternatives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
 from tokenloom.index.packing import EpochPlan, plan_epochs
-from tokenloom.index.randomstate_shuffle import numba_available, shuffle_like_randomstate
+from tokenloom.index.randomstate_shuffle import shuffle_like_randomstate
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
@@ -87,10 +90,11 @@ class GPTSample:
 # --------------------------------------------------------------------------- sample index kernels
 
 
+@jit(cache=True, nogil=True)
 def _sample_index_walk(sequence_lengths: np.ndarray, document_index: np.ndarray,
                        seq_length: int, num_samples: int, add_extra_token: int,
                        out: np.ndarray) -> None:
-    """The sample walk, one document at a time, in plain Python; the numba kernel compiles it."""
+    """The sample walk, one document at a time, in plain Python; the "numba" kernel compiles it."""
     last = document_index.shape[0] - 1
     position = 0  # into document_index
     offset = 0  # tokens into the current document
@@ -163,37 +167,26 @@ def _sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.ndarray
         out[begin + inside:stop, 0] = num_positions - 1
 
 
-def _sample_index_numba(*args) -> None:
-    """The walk compiled by numba (compiled once per dtype signature, cached on disk)."""
-    global _NUMBA_WALK
-    if _NUMBA_WALK is None:
-        import numba
-
-        _NUMBA_WALK = numba.njit(cache=True, nogil=True)(_sample_index_walk)
-    _NUMBA_WALK(*args)
-
-
-_NUMBA_WALK = None
-
 SAMPLE_INDEX_KERNELS: dict[str, Callable[..., None]] = {
-    "numba": _sample_index_numba,
     "numpy": _sample_index_numpy,
     "python": _sample_index_walk,
 }
-"""Ways to fill the sample index; all give identical arrays. "python" is for tiny inputs only."""
+"""Ways to fill the sample index (those that can run here); all give identical arrays. "python"
+is for tiny inputs only; "numba" (when installed) compiles the walk on its first call (once per
+dtype signature, cached on disk)."""
+if numba_available():
+    SAMPLE_INDEX_KERNELS["numba"] = compiled_on_call(_sample_index_walk)
 
 
 def default_sample_index_kernel() -> str:
     """"numba" where numba is installed (the ``[fast]`` extra), else "numpy"."""
-    return "numba" if numba_available() else "numpy"
+    return resolve_backend("auto", SAMPLE_INDEX_KERNELS, fallback="numpy", what="kernel")
 
 
-def _check_kernel(name: str) -> None:
-    if name not in SAMPLE_INDEX_KERNELS:
-        raise ConfigError(f"kernel={name!r}; expected one of {sorted(SAMPLE_INDEX_KERNELS)}")
-    if name == "numba" and not numba_available():
-        raise ConfigError("kernel='numba' needs numba (the tokenloom[fast] extra); "
-                          "kernel='numpy' gives the same arrays without it")
+def _resolve_kernel(kernel: str | None) -> str:
+    """``kernel`` checked; None or "auto" -> :func:`default_sample_index_kernel`."""
+    return resolve_backend("auto" if kernel is None else kernel, SAMPLE_INDEX_KERNELS, fallback="numpy",
+                           what="kernel")
 
 
 def sample_index_dtype(num_positions: int) -> type[np.integer]:
@@ -209,8 +202,7 @@ def shuffle_index_dtype(num_samples: int) -> type[np.integer]:
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, plan: EpochPlan,
                        *, kernel: str | None = None) -> np.ndarray:
     """The (num_samples + 1, 2) sample index walking ``document_index`` (no randomness)."""
-    name = default_sample_index_kernel() if kernel is None else kernel
-    _check_kernel(name)
+    name = _resolve_kernel(kernel)
     num_positions = int(document_index.shape[0])
     dtype = sample_index_dtype(num_positions)
     if plan.num_samples_in_index < 0:
@@ -324,7 +316,7 @@ def build_megatron_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.nd
     builds one epoch. ``drop_last_partial=False`` is megatron-core's validation path with
     ``drop_last_partial_validation_sequence=False``; every other split drops it. ``seed`` is
     megatron-core's ``random_seed``, which it uses unchanged for every dataset and every split.
-    ``kernel`` picks an entry of :data:`SAMPLE_INDEX_KERNELS` (default: numba when installed);
+    ``kernel`` picks an entry of :data:`SAMPLE_INDEX_KERNELS` (None or "auto": numba when installed);
     "numba" also shuffles with the numba kernel, the others with RandomState's own shuffle.
     """
     seed = _check_seed(seed)
@@ -332,8 +324,7 @@ def build_megatron_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.nd
     ids = _as_document_ids(document_ids, lengths.shape[0])
     plan = plan_epochs(lengths, ids, num_samples=num_samples, seq_length=seq_length,
                        add_extra_token=add_extra_token, drop_last_partial=drop_last_partial)
-    kernel = default_sample_index_kernel() if kernel is None else kernel
-    _check_kernel(kernel)
+    kernel = _resolve_kernel(kernel)
     fast = kernel == "numba"
     random_state = np.random.RandomState(seed)
     document_index = build_document_index(ids, plan, random_state, fast=fast)
@@ -378,13 +369,13 @@ def megatron_gpt_sample(indices: GPTIndices, reader: TokenReader, index: int, *,
 
 
 __all__ = [
+    "PAD_TOKEN_ID",
+    "SAMPLE_INDEX_KERNELS",
     "GPTIndices",
     "GPTSample",
     "TokenReader",
-    "PAD_TOKEN_ID",
-    "SAMPLE_INDEX_KERNELS",
-    "build_megatron_gpt_indices",
     "build_document_index",
+    "build_megatron_gpt_indices",
     "build_sample_index",
     "build_shuffle_index",
     "default_sample_index_kernel",

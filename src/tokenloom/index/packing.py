@@ -112,7 +112,7 @@ def num_samples_in_index(num_tokens_total: int, *, seq_length: int, add_extra_to
     quotient32 = np.array(numerator, dtype=np.int64).astype(np.float32) / np.array(
         seq_length, dtype=np.int32
     ).astype(np.float32)
-    return int(math.ceil(float(quotient32)))
+    return math.ceil(float(quotient32))
 
 
 def plan_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, *,
@@ -191,8 +191,8 @@ def plan_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, *,
 __all__ = [
     "FINAL_EPOCH_THRESHOLD",
     "EpochPlan",
-    "plan_epochs",
     "count_tokens_per_epoch",
     "num_epochs_for",
     "num_samples_in_index",
+    "plan_epochs",
 ]

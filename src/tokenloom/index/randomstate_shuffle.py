@@ -7,32 +7,20 @@ of draws first and then does that block's swaps in a tight loop where the misses
 writes the advanced state back: the array and every later draw of the RandomState are exactly
 what ``random_state.shuffle(array)`` would have given.
 
-It needs numba (the ``[fast]`` extra); :func:`shuffle_like_randomstate` falls back to
-RandomState's own shuffle without it.
+It needs numba (the ``[fast]`` extra; the kernels in :mod:`tokenloom.index._randomstate_kernels`
+compile on first use); :func:`shuffle_like_randomstate` falls back to RandomState's own shuffle
+without it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tokenloom.index import _randomstate_kernels
+from tokenloom.index.kernels import compiled, numba_available
+
 DRAW_BLOCK = 1 << 16
 """Fisher-Yates steps whose draws are made before their swaps (a 512 KiB buffer)."""
-
-
-def _kernels():
-    """The numba kernels (imported on first use: importing numba takes a while)."""
-    from tokenloom.index import _randomstate_kernels
-
-    return _randomstate_kernels
-
-
-def numba_available() -> bool:
-    """Whether the fast kernel can run here."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _mt19937_state(random_state: np.random.RandomState):
@@ -59,7 +47,7 @@ def fast_shuffle(random_state: np.random.RandomState, array: np.ndarray,
     name, key, position, has_gauss, cached_gaussian = state
     key = np.array(key, dtype=np.uint32)  # (624,) uint32, updated in place
     cursor = np.array([position], dtype=np.int64)
-    _kernels().shuffle(array, key, cursor, max(1, int(block)))
+    compiled(_randomstate_kernels.shuffle)(array, key, cursor, max(1, int(block)))
     random_state.set_state((name, key, int(cursor[0]), has_gauss, cached_gaussian))
 
 
@@ -72,7 +60,7 @@ def interval_draws(random_state: np.random.RandomState, largest: int, count: int
     name, key, position, has_gauss, cached_gaussian = state
     key = np.array(key, dtype=np.uint32)
     cursor = np.array([position], dtype=np.int64)
-    out = _kernels().intervals(key, cursor, np.uint64(largest), int(count))
+    out = compiled(_randomstate_kernels.intervals)(key, cursor, np.uint64(largest), int(count))
     random_state.set_state((name, key, int(cursor[0]), has_gauss, cached_gaussian))
     return out
 
@@ -89,4 +77,4 @@ def shuffle_like_randomstate(random_state: np.random.RandomState, array: np.ndar
         random_state.shuffle(array)
 
 
-__all__ = ["fast_shuffle", "interval_draws", "numba_available", "shuffle_like_randomstate"]
+__all__ = ["fast_shuffle", "interval_draws", "shuffle_like_randomstate"]

@@ -11,6 +11,7 @@ fails late (four numbers, all zeros, ``"1..2"``), :func:`parse_split` raises Con
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import NamedTuple
 
@@ -100,7 +101,7 @@ def split_bookends(split: str) -> SplitBookends:
     for fraction in fractions:
         cumulative.append(cumulative[-1] + fraction)
     bookends = []
-    for begin, end in zip(cumulative[:-1], cumulative[1:]):
+    for begin, end in itertools.pairwise(cumulative):
         bookends.append(None if end <= begin else (begin, end))
     return SplitBookends(*bookends)
 
@@ -116,7 +117,7 @@ def split_document_ranges(split: str, num_documents: int) -> SplitDocumentRanges
         if bookend is None:
             ranges.append(None)
         else:
-            ranges.append(DocumentRange(int(round(bookend[0] * count)), int(round(bookend[1] * count))))
+            ranges.append(DocumentRange(round(bookend[0] * count), round(bookend[1] * count)))
     return SplitDocumentRanges(*ranges)
 
 
@@ -128,12 +129,12 @@ def document_ids(document_range: DocumentRange) -> np.ndarray:
 
 __all__ = [
     "SPLIT_NAMES",
-    "SplitFractions",
     "DocumentRange",
-    "SplitDocumentRanges",
     "SplitBookends",
+    "SplitDocumentRanges",
+    "SplitFractions",
+    "document_ids",
     "parse_split",
     "split_bookends",
     "split_document_ranges",
-    "document_ids",
 ]

@@ -21,7 +21,8 @@ tokens plus the shared extra label token, packed across documents, over the epoc
   documents (from the nearer end of the block), evaluating ``P_e`` on the way. Sample 0
   starts at ``(0, 0)``.
 
-Kernels come in two backends with identical results: numba (the ``[fast]`` extra) and numpy.
+Kernels come in two backends with identical results (:data:`BACKENDS`): numba (the ``[fast]``
+extra; :mod:`tokenloom.index._stateless_kernels`, compiled on first use) and numpy.
 The tests hold a slow packer that spells out every token as the reference.
 
 This is exactly the ``(position, offset)`` megatron-core's ``build_sample_idx`` records, so
@@ -32,24 +33,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.feistel import (
-    MAX_SIZE,
-    FeistelPermutation,
-    default_rounds,
-    derive_round_keys,
-    feistel_bits,
-    numba_available,
-    resolve_backend,
+from tokenloom.index._stateless_kernels import (
+    _block_sums_by_epoch_numba,
+    _block_sums_numba,
+    _block_sums_parallel_numba,
+    _docs_at_numba,
+    _is_consecutive_numba,
+    _shuffle_two_parts_numba,
+    _spans_numba,
+    _spans_pass1_numba,
 )
+from tokenloom.index.feistel import MAX_SIZE, FeistelPermutation, default_rounds, derive_round_keys, feistel_bits
+from tokenloom.index.kernels import compiled, import_numba, numba_available, resolve_backend
 from tokenloom.index.megatron_gpt import GPTIndices, TokenReader, build_sample_index, shuffle_index_dtype
 from tokenloom.index.packing import EpochPlan, plan_epochs
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_BLOCK_SIZE",
     "SampleSpans",
     "StatelessGPTIndex",
@@ -85,21 +91,6 @@ class SampleSpans:
     """(num_pieces,) int64: each piece's global position (index into ``document_index``)."""
 
 
-if numba_available():
-    import numba
-
-    from tokenloom.index._stateless_numba import (
-        _block_sums_by_epoch_numba,
-        _block_sums_numba,
-        _block_sums_parallel_numba,
-        _docs_at_numba,
-        _is_consecutive_numba,
-        _shuffle_two_parts_numba,
-        _spans_numba,
-        _spans_pass1_numba,
-    )
-
-
 # ----------------------------------------------------------------------------- the index
 
 
@@ -121,7 +112,7 @@ class StatelessGPTIndex:
     """Feistel rounds of every permutation; None: :func:`~tokenloom.index.feistel.default_rounds`
     of each permutation's size."""
     backend: str
-    """``"numba"`` or ``"numpy"``: which kernels run; the results are identical."""
+    """``"numba"`` or ``"numpy"`` (a key of :data:`BACKENDS`): which kernels run; the results are identical."""
     sequence_lengths: np.ndarray
     """(num_documents_in_store,) integer: every document length of the token store."""
     document_ids: np.ndarray | None
@@ -197,8 +188,8 @@ class StatelessGPTIndex:
             return parts[0][1].apply_unchecked(ids)
         if len(parts) == 2 and self.backend == "numba":  # both ranges in one compiled call
             (_, low), (split_at, high) = parts
-            return _shuffle_two_parts_numba(ids, split_at, low.bits, low.keys_array, high.size, high.bits,
-                                            high.keys_array)
+            return compiled(_shuffle_two_parts_numba)(ids, split_at, low.bits, low.keys_array, high.size,
+                                                      high.bits, high.keys_array)
         out = np.empty_like(ids)
         for start, perm in parts:
             inside = (ids >= start) & (ids < start + perm.size)
@@ -230,13 +221,13 @@ class StatelessGPTIndex:
         Row ``k`` of megatron-core's ``sample_index`` and row ``k + 1``: each ``(m, 2)`` int64.
         """
         ids = self._check_sample_ids(packed_ids)
-        return _BOUNDS[self.backend](self, ids)
+        return BACKENDS[self.backend].bounds(self, ids)
 
     def spans(self, sample_ids, *, shuffled: bool = True) -> SampleSpans:
         """The document pieces of samples ``sample_ids`` (served order unless ``shuffled=False``)."""
         ids = self._check_sample_ids(sample_ids)
         packed = self._shuffle_checked(ids) if shuffled else ids
-        return _SPANS[self.backend](self, packed)
+        return BACKENDS[self.backend].spans(self, packed)
 
     def documents_at(self, positions) -> np.ndarray:
         """Store document id at each global position of the (virtual) ``document_index``."""
@@ -245,7 +236,7 @@ class StatelessGPTIndex:
         if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= total):
             raise ConfigError(f"positions span [{int(positions.min())}, {int(positions.max())}]; "
                               f"expected positions in [0, {total})")
-        return _DOCS_AT[self.backend](self, positions)
+        return BACKENDS[self.backend].documents_at(self, positions)
 
     def _document_lengths(self, document_ids: np.ndarray) -> np.ndarray:
         return self.sequence_lengths[document_ids].astype(np.int64)
@@ -292,16 +283,16 @@ def _bounds_numba(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
     begin = np.empty((len(packed), 2), dtype=np.int64)
     end = np.empty((len(packed), 2), dtype=np.int64)
     lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
-    _spans_pass1_numba(packed, index.plan.seq_length, int(index.plan.add_extra_token),
-                       index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size,
-                       bits, keys, begin, end)
+    compiled(_spans_pass1_numba)(packed, index.plan.seq_length, int(index.plan.add_extra_token),
+                                 index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size,
+                                 bits, keys, begin, end)
     return begin, end
 
 
 def _docs_at_numba_entry(index: StatelessGPTIndex, positions: np.ndarray) -> np.ndarray:
     out = np.empty(len(positions), dtype=np.int64)
-    lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args
-    _docs_at_numba(positions, ids, first_id, contiguous, n, bits, keys, out)
+    _lengths, ids, first_id, contiguous, n, _, bits, keys = index._kernel_args
+    compiled(_docs_at_numba)(positions, ids, first_id, contiguous, n, bits, keys, out)
     return out
 
 
@@ -309,7 +300,7 @@ def _spans_two_pass_numba(index: StatelessGPTIndex, packed: np.ndarray) -> Sampl
     """Rows first, then the pieces (re-permuting their few positions): faster than recording
     pieces during the walk, whose stores keep the compiler from holding the walk in registers."""
     lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
-    bounds, docs, offsets, pieces, positions = _spans_numba(
+    bounds, docs, offsets, pieces, positions = compiled(_spans_numba)(
         packed, index.plan.seq_length, int(index.plan.add_extra_token), index.block_token_starts, lengths, ids,
         first_id, contiguous, n, block_size, bits, keys)
     return SampleSpans(bounds=bounds, document_ids=docs, offsets=offsets, lengths=pieces, positions=positions)
@@ -393,14 +384,21 @@ def _bounds_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
     return begin, end
 
 
-_BOUNDS: dict[str, Callable[[StatelessGPTIndex, np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
-    "numpy": _bounds_numpy}
-_DOCS_AT: dict[str, Callable[[StatelessGPTIndex, np.ndarray], np.ndarray]] = {"numpy": _docs_at_numpy}
-_SPANS: dict[str, Callable[[StatelessGPTIndex, np.ndarray], SampleSpans]] = {"numpy": _spans_numpy}
+class StatelessKernels(NamedTuple):
+    """One backend's lookups; each takes the index and an int64 array of packed ids or positions."""
+
+    bounds: Callable[[StatelessGPTIndex, np.ndarray], tuple[np.ndarray, np.ndarray]]
+    """:meth:`StatelessGPTIndex.sample_bounds` of packed samples."""
+    spans: Callable[[StatelessGPTIndex, np.ndarray], SampleSpans]
+    """:meth:`StatelessGPTIndex.spans` of packed samples."""
+    documents_at: Callable[[StatelessGPTIndex, np.ndarray], np.ndarray]
+    """:meth:`StatelessGPTIndex.documents_at` of global positions."""
+
+
+#: Backends of the lookups (those that can run here); all give identical results.
+BACKENDS: dict[str, StatelessKernels] = {"numpy": StatelessKernels(_bounds_numpy, _spans_numpy, _docs_at_numpy)}
 if numba_available():
-    _BOUNDS["numba"] = _bounds_numba
-    _DOCS_AT["numba"] = _docs_at_numba_entry
-    _SPANS["numba"] = _spans_two_pass_numba
+    BACKENDS["numba"] = StatelessKernels(_bounds_numba, _spans_two_pass_numba, _docs_at_numba_entry)
 
 
 def _block_sums_numpy(lengths, document_ids, first_id, n, block_size, epoch_perms, out) -> None:
@@ -427,7 +425,7 @@ def _contiguous_start(document_ids: np.ndarray) -> int | None:
     if int(document_ids[-1]) != start + len(document_ids) - 1:
         return None
     if numba_available():
-        return start if _is_consecutive_numba(document_ids) else None
+        return start if compiled(_is_consecutive_numba)(document_ids) else None
     chunk = 1 << 20
     for first in range(0, len(document_ids), chunk):
         part = document_ids[first:first + chunk]
@@ -477,7 +475,7 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
         raise ConfigError(f"seed={seed!r}; expected an integer in [0, 2**64)")
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise ConfigError(f"threads={threads!r}; expected a positive integer")
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, BACKENDS, fallback="numpy")
     if document_ids is None:
         ids, first_id = None, 0
         num_documents = lengths.shape[0]
@@ -514,13 +512,15 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     if backend == "numba":
         kernel_args = (lengths, ids if ids is not None else np.zeros(1, dtype=np.int64), first_id, ids is None,
                        num_documents, block_size.bit_length() - 1, feistel_bits(num_documents), keys)
+        numba = import_numba()
         threads = min(int(threads), numba.config.NUMBA_NUM_THREADS)
         if threads == 1:
-            _block_sums_numba(*kernel_args, starts[1:])
+            compiled(_block_sums_numba)(*kernel_args, starts[1:])
         else:
             # one thread per epoch streams and scatters (the cheaper order) while there are
             # enough epochs; otherwise threads split each epoch's positions and gather
-            kernel = _block_sums_by_epoch_numba if plan.num_epochs >= threads else _block_sums_parallel_numba
+            kernel = compiled(_block_sums_by_epoch_numba if plan.num_epochs >= threads
+                              else _block_sums_parallel_numba)
             previous = numba.get_num_threads()
             numba.set_num_threads(threads)
             try:

@@ -1,9 +1,10 @@
 """Copy many packed samples out of a memory-mapped store into one ``(B, width)`` int64 block.
 
-Two kernels, chosen from :data:`GATHER_BACKENDS` (identical results):
+Two backends, chosen from :data:`GATHER_BACKENDS` by :func:`gather_kernels` (identical results):
 
 * ``"numba"`` (the ``[fast]`` extra): one compiled loop per call, walking each sample's documents
-  and copying their tokens straight from the memory map into the output row;
+  and copying their tokens straight from the memory map into the output row (plain Python loops
+  below, compiled on first use by :mod:`tokenloom.index.kernels`);
 * ``"numpy"``: the same from vectorised index arithmetic and ``IndexedDataset.read_spans``.
 
 A micro-batch is a few dozen spans of a few thousand tokens; what costs is the per-call
@@ -12,14 +13,17 @@ overhead of a dozen small numpy operations, which the compiled loop removes.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import FormatError
+from tokenloom.index.kernels import compiled, jit, numba_available, resolve_backend
 
 
-def _gpt_rows_python(tokens, sequence_pointers, itemsize, sequence_lengths, document_index, sample_index,
+@jit(cache=True, nogil=True)
+def _gpt_rows_kernel(tokens, sequence_pointers, itemsize, sequence_lengths, document_index, sample_index,
                      shuffle_index, sample_ids, extra, pad_id, out, out_rows):
     """Fill ``out[out_rows[k]]`` with Megatron GPT sample ``sample_ids[k]``; returns -1, or the
     first ``k`` whose spans would overrun the row (a corrupt index)."""
@@ -47,7 +51,8 @@ def _gpt_rows_python(tokens, sequence_pointers, itemsize, sequence_lengths, docu
     return -1
 
 
-def _span_rows_python(tokens, sequence_pointers, itemsize, bounds, document_ids, offsets, lengths, pad_id, out,
+@jit(cache=True, nogil=True)
+def _span_rows_kernel(tokens, sequence_pointers, itemsize, bounds, document_ids, offsets, lengths, pad_id, out,
                       out_rows):
     """Fill ``out[out_rows[k]]`` with the spans ``bounds[k]:bounds[k + 1]``; returns -1 or a bad k."""
     width = out.shape[1]
@@ -65,25 +70,6 @@ def _span_rows_python(tokens, sequence_pointers, itemsize, bounds, document_ids,
         for c in range(column, width):
             out[r, c] = pad_id
     return -1
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-def _compiled(name: str, function: Callable) -> Callable:
-    if name not in _COMPILED:
-        import numba
-
-        _COMPILED[name] = numba.njit(cache=True, nogil=True)(function)
-    return _COMPILED[name]
-
-
-def numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _plain(array) -> np.ndarray:
@@ -113,7 +99,7 @@ def _prepared_gpt(indices, store) -> tuple:
 def gpt_rows_numba(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
                    out_rows: np.ndarray) -> None:
     _, _, arrays, extra = _prepared_gpt(indices, store)
-    bad = _compiled("gpt", _gpt_rows_python)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows)
+    bad = compiled(_gpt_rows_kernel)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows)
     if bad >= 0:
         raise FormatError(f"{store.prefix}: sample {int(sample_ids[bad])} of the index runs outside its documents "
                           "or past seq_length; the index does not belong to this store")
@@ -156,7 +142,7 @@ def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: n
 
 
 def span_rows_numba(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
-    bad = _compiled("spans", _span_rows_python)(
+    bad = compiled(_span_rows_kernel)(
         _plain(store.tokens), _plain(store.sequence_pointers), np.int64(store.itemsize), spans.bounds,
         spans.document_ids, spans.offsets, spans.lengths, np.int64(pad_id), out, out_rows)
     if bad >= 0:
@@ -184,24 +170,31 @@ def _span_block_numpy(store, spans, pad_id: int, out: np.ndarray) -> None:
 
 
 class GatherKernels(NamedTuple):
-    """One backend's two row-copying kernels; every backend gives identical rows."""
+    """One backend's gathers; both fill ``out[out_rows[k]]`` with sample ``k`` (int64 rows)."""
 
-    gpt_rows: Callable
-    """``(indices, store, sample_ids, pad_id, out, out_rows)``: rows of a Megatron GPT index."""
-    span_rows: Callable
-    """``(store, spans, pad_id, out, out_rows)``: rows given as document pieces (stateless index)."""
+    gpt_rows: Callable[..., None]
+    """``(indices, store, sample_ids, pad_id, out, out_rows)``: Megatron GPT index samples."""
+    span_rows: Callable[..., None]
+    """``(store, spans, pad_id, out, out_rows)``: the pieces of stateless samples
+    (:class:`~tokenloom.index.stateless.SampleSpans`)."""
 
 
-GATHER_BACKENDS: dict[str, GatherKernels] = {
-    "numba": GatherKernels(gpt_rows_numba, span_rows_numba),
-    "numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy),
-}
-"""Backend name -> its kernels."""
+GATHER_BACKENDS: dict[str, GatherKernels] = {"numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy)}
+"""Backend name -> :class:`GatherKernels` (the backends that can run here); identical results."""
+if numba_available():
+    GATHER_BACKENDS["numba"] = GatherKernels(gpt_rows_numba, span_rows_numba)
 
 
 def default_backend() -> str:
     """"numba" when installed (the ``[fast]`` extra), else "numpy"."""
-    return "numba" if numba_available() else "numpy"
+    return resolve_backend("auto", GATHER_BACKENDS, fallback="numpy")
 
 
-__all__ = ["GATHER_BACKENDS", "default_backend"]
+def gather_kernels(backend: str | None = None) -> GatherKernels:
+    """The gathers of ``backend``: a key of :data:`GATHER_BACKENDS`, or None/"auto" for
+    :func:`default_backend`; an unknown or missing backend is a ConfigError."""
+    return GATHER_BACKENDS[resolve_backend("auto" if backend is None else backend, GATHER_BACKENDS,
+                                           fallback="numpy")]
+
+
+__all__ = ["GATHER_BACKENDS", "GatherKernels", "default_backend", "gather_kernels"]

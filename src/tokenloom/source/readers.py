@@ -22,7 +22,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.io import IndexedDataset
-from tokenloom.source.gather import GATHER_BACKENDS, default_backend
+from tokenloom.source.gather import gather_kernels
 
 
 def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
@@ -34,13 +34,6 @@ def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
         raise ConfigError(f"{store.prefix}: eod_id={eod_id} but the store's tokenizer record says {recorded}; "
                           "drop eod_id or use stores made with that tokenizer")
     return recorded if eod_id is None else int(eod_id)
-
-
-def _gather_backend(backend: str | None) -> str:
-    name = default_backend() if backend is None else backend
-    if name not in GATHER_BACKENDS:
-        raise ConfigError(f"backend={backend!r}; expected one of {sorted(GATHER_BACKENDS)}")
-    return name
 
 
 def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: np.ndarray, *,
@@ -59,7 +52,7 @@ def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: n
         out = np.empty((sample_ids.shape[0], indices.plan.sample_num_tokens), dtype=np.int64)  # (B, width)
         out_rows = np.arange(sample_ids.shape[0], dtype=np.int64)
     if sample_ids.shape[0]:
-        GATHER_BACKENDS[_gather_backend(backend)].gpt_rows(indices, store, sample_ids, pad_id, out,
+        gather_kernels(backend).gpt_rows(indices, store, sample_ids, pad_id, out,
                                                            np.ascontiguousarray(out_rows, dtype=np.int64))
     return out
 
@@ -128,7 +121,7 @@ class StatelessReader(DatasetReader):
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
                   backend: str | None = None) -> None:
         spans = self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
-        GATHER_BACKENDS[_gather_backend(backend)].span_rows(self.store, spans, -1, out,
+        gather_kernels(backend).span_rows(self.store, spans, -1, out,
                                                             np.ascontiguousarray(out_rows, dtype=np.int64))
 
 

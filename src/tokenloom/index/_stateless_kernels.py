@@ -1,17 +1,19 @@
-"""Compiled (numba) kernels of :mod:`tokenloom.index.stateless`; imported only with numba.
+"""The numba backend's kernels of :mod:`tokenloom.index.stateless`.
 
-Each has a numpy twin in ``stateless.py`` giving identical results; the tests compare them.
+Plain Python, compiled by numba on first use (:func:`tokenloom.index.kernels.compiled`); they
+call the Feistel kernels ``permute_into`` and ``_permute_numba``. Each has a numpy twin in
+``stateless.py`` giving identical results; the tests compare them.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from tokenloom.index.feistel import _permute_numba, permute_into
+from tokenloom.index.kernels import jit, prange
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _length_of(d, lengths, ids, first_id, contiguous):
     if contiguous:
         return np.int64(lengths[first_id + d])
@@ -23,7 +25,7 @@ def _length_of(d, lengths, ids, first_id, contiguous):
 _CHUNK_DOCUMENTS = 1 << 12
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, keys, out):
     """out[b] += tokens of positions [b*K, (b+1)*K) of one epoch (permutation keys ``keys``).
 
@@ -49,7 +51,7 @@ def _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, 
                 out[positions[k] >> block_shift] += lengths[ids[first + k]]
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _block_sums_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
     """out[e * num_blocks + b] += tokens of positions [b*K, (b+1)*K) of epoch e, epoch by epoch."""
     num_blocks = (n + (1 << block_shift) - 1) >> block_shift
@@ -58,16 +60,16 @@ def _block_sums_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, 
                           out[e * num_blocks:(e + 1) * num_blocks])
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@jit(cache=True, nogil=True, parallel=True)
 def _block_sums_by_epoch_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
     """The same sums with one thread per epoch (epochs write disjoint sums: no races)."""
     num_blocks = (n + (1 << block_shift) - 1) >> block_shift
-    for e in numba.prange(epoch_keys.shape[0]):
+    for e in prange(epoch_keys.shape[0]):
         _epoch_block_sums(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys[e],
                           out[e * num_blocks:(e + 1) * num_blocks])
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@jit(cache=True, nogil=True, parallel=True)
 def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shift, bits, epoch_keys, out):
     """The same sums with threads: each task permutes a run of whole blocks of one epoch
     and gathers their lengths (random reads, but tasks write disjoint blocks: no races)."""
@@ -75,7 +77,7 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
     blocks_per_task = max(1, _CHUNK_DOCUMENTS >> block_shift)
     tasks_per_epoch = (num_blocks + blocks_per_task - 1) // blocks_per_task
     width = blocks_per_task << block_shift
-    for task in numba.prange(epoch_keys.shape[0] * tasks_per_epoch):
+    for task in prange(epoch_keys.shape[0] * tasks_per_epoch):
         e = task // tasks_per_epoch
         b0 = (task - e * tasks_per_epoch) * blocks_per_task
         first = b0 << block_shift
@@ -94,7 +96,7 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
                 out[base + (k >> block_shift)] += lengths[ids[documents[k]]]
 
 
-@numba.njit(inline="always")
+@jit(inline="always")
 def _last_block_before(starts, q):
     """Largest b with starts[b] < q (starts non-decreasing, starts[0] = 0 < q <= starts[-1]).
 
@@ -128,7 +130,7 @@ def _last_block_before(starts, q):
     return lo
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous,
                        n, block_size, bits, epoch_keys, out_begin, out_end):
     """Begin and end (position, offset) of each packed sample, as build_sample_idx records.
@@ -204,7 +206,7 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
         out_end[s, 1] = (k + 1) * seq_length - cum
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _local_documents(positions, n, bits, epoch_keys, out):
     """out[t] = P_e(p) for global positions ``e * n + p``: the positions are grouped by epoch
     (a counting sort), and each epoch's are permuted in one batched call, so the network's
@@ -231,7 +233,7 @@ def _local_documents(positions, n, bits, epoch_keys, out):
                 out[where[starts[e] + j]] = documents[j]
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _pieces_numba(begin, end, bounds, extra, lengths, ids, first_id, contiguous, n, bits, epoch_keys,
                   out_docs, out_offsets, out_lengths, out_positions):
     """Fill the CSR pieces of each sample from its begin and end rows.
@@ -258,22 +260,22 @@ def _pieces_numba(begin, end, bounds, extra, lengths, ids, first_id, contiguous,
         out_lengths[first_piece] -= begin[s, 1]
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _is_consecutive_numba(ids):
-    for t in range(1, ids.shape[0]):
+    for t in range(1, ids.shape[0]):  # noqa: SIM110 (numba compiles no generator inside all())
         if ids[t] != ids[t - 1] + 1:
             return False
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _docs_at_numba(positions, ids, first_id, contiguous, n, bits, epoch_keys, out):
     _local_documents(positions, n, bits, epoch_keys, out)
     for t in range(positions.shape[0]):
         out[t] = first_id + out[t] if contiguous else np.int64(ids[out[t]])
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _shuffle_two_parts_numba(ids, split_at, bits_low, keys_low, size_high, bits_high, keys_high):
     """Sample shuffle with a separate final epoch: ids below ``split_at`` through the first
     permutation, the rest through the second (shifted by ``split_at``), in one call."""
@@ -299,7 +301,7 @@ def _shuffle_two_parts_numba(ids, split_at, bits_low, keys_low, size_high, bits_
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@jit(cache=True, nogil=True)
 def _spans_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous, n, block_size, bits,
                  epoch_keys):
     """Both passes in one call (a handful of samples per call is the serving case, where the
