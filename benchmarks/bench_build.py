@@ -104,7 +104,12 @@ def child_tokenloom(args) -> dict:
                                 world_size=args.world, timeout=timedelta(seconds=3600))
     import tokenloom.builder as tb
 
-    # warm the compiled kernels outside the timed region, as a long-running job would have them
+    # numba is imported outside the timed region, as a long-running job has it (tokenloom imports
+    # it on a kernel's first call; the compiled kernels themselves load from numba's disk cache)
+    from tokenloom.index.kernels import import_numba, numba_available
+
+    if numba_available():
+        import_numba()
     baseline = _rss_bytes()
     started = time.perf_counter()
     result = tb.build(config)
