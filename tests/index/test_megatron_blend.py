@@ -219,3 +219,95 @@ def test_rejects_what_megatron_cannot_blend():
             mb.megatron_blend([1.0, 2.0], 10, threads=threads)
     ids, _ = mb.megatron_blend(np.ones(32767), 10, allow_beyond_megatron=True)
     assert ids.dtype == np.int32 and list(ids) == list(range(10))
+
+
+# ------------------------------------------------------------------ ranges on many ranks
+
+
+def ranges_blend(greedy, size, bounds, threads=1):
+    """What the ranks of a distributed build do, in one process: every range from its guessed
+    start, then rounds of repair until consecutive ranges agree (settle_range, ranges_settled)."""
+    outs = [(np.zeros(b - a, dtype=greedy.dataset_id_dtype), np.zeros(b - a, dtype=np.int64))
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    runs = [greedy.fill(a, b, *outs[r], threads=threads) for r, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    rounds = 0
+    while not mb.ranges_settled(runs):
+        runs = [mb.settle_range(greedy, bounds, runs, r, *outs[r]) for r in range(len(runs))]
+        rounds += 1
+        assert rounds <= len(runs)
+    return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs]), runs[-1].end_counts
+
+
+@st.composite
+def rank_bounds(draw, size):
+    """Range boundaries of 1 to 7 ranks over [0, size), empty ranges allowed (more ranks than work)."""
+    ranks = draw(st.integers(1, 7))
+    cuts = sorted(draw(st.lists(st.integers(0, size), min_size=ranks - 1, max_size=ranks - 1)))
+    return [0, *cuts, size]
+
+
+@SETTINGS
+@given(weights=weight_vectors(), size=st.integers(1, 6000), data=st.data(), threads=st.integers(1, 3))
+def test_ranges_on_many_ranks_identical_to_megatron_core(weights, size, data, threads):
+    theirs = megatron(weights, size)
+    bounds = data.draw(rank_bounds(size))
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice), patched(_MIN_CHUNK=16):
+            greedy = mb.MegatronGreedy(weights, np.full(len(weights), -1, dtype=np.int64))
+            dataset_ids, sample_ids, end = ranges_blend(greedy, size, bounds, threads)
+            assert_same((dataset_ids, sample_ids), theirs)
+            np.testing.assert_array_equal(end, np.bincount(theirs[0], minlength=len(weights)))
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=40), data=st.data())
+def test_exhaustive_ranges_on_many_ranks_identical_to_megatron_core(sizes, data):
+    theirs = megatron_exhaustive(sizes)
+    total = int(np.sum(sizes))
+    bounds = data.draw(rank_bounds(total))
+    limits = np.asarray(sizes, dtype=np.int64)
+    for choice in KERNEL_CHOICES:
+        with scan_limit(choice):
+            greedy = mb.MegatronGreedy(limits / np.float64(total), limits)
+            assert_same(ranges_blend(greedy, total, bounds)[:2], theirs)
+
+
+def test_ranges_settle_whatever_the_guess():
+    # every guessed start wrong: each range's replay never meets, so its end state changes and the
+    # ranges after it repair again; the rounds still end with megatron's arrays
+    rng = np.random.default_rng(6)
+    weights = rng.random(200)
+    weights /= weights.sum()
+    size = 30_000
+
+    def bad_guess(weights, limits, step, member_start, members):
+        counts = np.zeros(len(weights), dtype=np.int64)
+        counts[0] = step
+        return counts
+
+    with patched(_guess_counts=bad_guess, _RESYNC_STEPS=50):
+        greedy = mb.MegatronGreedy(weights, np.full(200, -1, dtype=np.int64))
+        assert_same(ranges_blend(greedy, size, [0, 7_000, 7_000, 19_000, 30_000])[:2], megatron(weights, size))
+
+
+@pytest.mark.parametrize("weights", [[0.25, 0.75], [0.5, 0.125, 0.375], [1.0]])
+def test_positions_beyond_2_to_the_31(weights):
+    # a range of steps past 2**31 (and 2**32), from a state there, against megatron's plain loop
+    # from the same state: steps, counts and sample ids beyond int32 without running the 2**31
+    # steps before them (a distributed build starts its ranks' ranges this way)
+    w = np.asarray(weights, dtype=np.float64)
+    greedy = mb.MegatronGreedy(w, np.full(len(w), -1, dtype=np.int64))
+    for start in (2**31 - 3, 2**32 + 5):
+        stop = start + 5000
+        counts = greedy.guess(start)
+        assert counts.sum() == start
+        out_d = np.zeros(stop - start, dtype=greedy.dataset_id_dtype)
+        out_s = np.zeros(stop - start, dtype=np.int64)
+        run = greedy.fill(start, stop, out_d, out_s, counts=counts, threads=2)
+        reference = counts.copy()
+        for k, i in enumerate(range(start, stop)):  # megatron's loop, from the same state
+            d = int(np.argmax(w * np.float64(max(i, 1)) - reference.astype(np.float64)))
+            assert (out_d[k], out_s[k]) == (d, reference[d]), f"step {i}"
+            reference[d] += 1
+        np.testing.assert_array_equal(run.end_counts, reference)
+        assert out_s.max() > 2**30

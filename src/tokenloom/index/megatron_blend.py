@@ -47,7 +47,7 @@ plain O(size x D) loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -58,9 +58,13 @@ from tokenloom.index.kernels import compiled_on_call, jit, numba_available, reso
 
 __all__ = [
     "MEGATRON_MAX_DATASETS",
+    "MegatronGreedy",
+    "RangeRun",
     "megatron_blend",
     "megatron_dataset_id_dtype",
     "megatron_exhaustive_blend",
+    "ranges_settled",
+    "settle_range",
 ]
 
 #: megatron-core stores dataset ids as int16 and asserts ``len(datasets) < 32767``.
@@ -494,56 +498,145 @@ def _guess_counts(weights: np.ndarray, limits: np.ndarray, step: int, member_sta
     return counts
 
 
-def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threads: int = 1):
-    num_datasets = weights.shape[0]
-    dataset_ids = np.zeros(size, dtype=megatron_dataset_id_dtype(num_datasets))
-    sample_ids = np.zeros(size, dtype=np.int64)
-    if size == 0:
-        return dataset_ids, sample_ids
-    kernels = BACKENDS[resolve_backend(backend, BACKENDS, fallback="python")]
-    if weights.shape[0] <= _SCAN_DATASETS:  # few datasets: megatron's own loop is the fastest
-        group_weight = group_limit = None
-        member_start = np.arange(num_datasets + 1, dtype=np.int64)
-        members = np.arange(num_datasets, dtype=np.int64)
-    else:
-        group_weight, group_limit, member_start, members = _groups(weights, limits)
-    # pool threshold: below the usual best error (about 0.5); a few groups: everyone in the pool
-    theta0 = 0.3 if len(member_start) - 1 > _SCAN_ALL else -np.inf
+class RangeRun(NamedTuple):
+    """What a range of greedy steps was computed from, and the state it ended in."""
 
-    def run(start: int, stop: int, counts: np.ndarray) -> None:
-        """Steps start..stop-1 from counts (updated to the counts at stop)."""
-        out_d, out_s = dataset_ids[start:stop], sample_ids[start:stop]
-        if group_weight is None:
-            kernels.scan(weights, limits, start, stop, counts, out_d, out_s)
+    start_counts: np.ndarray
+    """(D,) int64: the per-dataset counts the range's recorded run started from."""
+    end_counts: np.ndarray
+    """(D,) int64: the counts after the range's last step, given ``start_counts``."""
+
+
+class MegatronGreedy:
+    """megatron-core's greedy over one weight vector, prepared once, run over any range of steps.
+
+    The blend's state after ``s`` steps is the per-dataset counts. :meth:`fill` computes steps
+    ``[start, stop)`` from a state (the true one, or :meth:`guess`'s) on ``threads`` threads;
+    :meth:`repair` makes a range computed from a wrong start state megatron's, given the true
+    one, by replaying megatron's loop until the runs meet. :func:`megatron_blend` is ``fill``
+    from step 0; a distributed build gives each rank a range, then repairs each range from the
+    end state of the range before it (``tokenloom.builder``).
+    """
+
+    def __init__(self, weights: np.ndarray, limits: np.ndarray, backend: str = "auto") -> None:
+        self.weights = np.ascontiguousarray(weights, dtype=np.float64)  # (D,)
+        self.limits = np.ascontiguousarray(limits, dtype=np.int64)  # (D,) -1: no limit
+        self.num_datasets = self.weights.shape[0]
+        self.kernels = BACKENDS[resolve_backend(backend, BACKENDS, fallback="python")]
+        if self.num_datasets <= _SCAN_DATASETS:  # few datasets: megatron's own loop is the fastest
+            self._groups = None
+            self.member_start = np.arange(self.num_datasets + 1, dtype=np.int64)
+            self.members = np.arange(self.num_datasets, dtype=np.int64)
         else:
-            kernels.greedy(group_weight, group_limit, member_start, members, start, stop, theta0, counts, out_d,
-                           out_s)
+            self._groups = _groups(self.weights, self.limits)
+            self.member_start, self.members = self._groups[2], self._groups[3]
+        # pool threshold: below the usual best error (about 0.5); a few groups: everyone in the pool
+        self._theta0 = 0.3 if len(self.member_start) - 1 > _SCAN_ALL else -np.inf
+        self._replay_steps = min(_RESYNC_STEPS, max(1024, _RESYNC_WORK // self.num_datasets))
 
-    chunks = max(1, min(int(threads), size // _MIN_CHUNK))
-    bounds = [size * k // chunks for k in range(chunks + 1)]
-    starts = [np.zeros(num_datasets, dtype=np.int64)] + [
-        _guess_counts(weights, limits, step, member_start, members) for step in bounds[1:-1]]
-    ends = [state.copy() for state in starts]
-    if chunks == 1:
-        run(0, size, ends[0])
-    else:  # every chunk from its guessed state at once (the kernels release the GIL) ...
-        with ThreadPoolExecutor(max_workers=chunks) as pool:
-            for future in [pool.submit(run, bounds[k], bounds[k + 1], ends[k]) for k in range(chunks)]:
-                future.result()
-    # ... then, chunk by chunk, replay megatron's loop from the true state where the guess missed
-    replay_steps = min(_RESYNC_STEPS, max(1024, _RESYNC_WORK // num_datasets))
-    true_state = ends[0]
-    for k in range(1, chunks):
-        start, stop = bounds[k], bounds[k + 1]
-        if not np.array_equal(true_state, starts[k]):
-            counts = true_state.copy()
-            step, met = kernels.resync(weights, limits, start, stop, counts, starts[k], dataset_ids[start:stop],
-                               sample_ids[start:stop], replay_steps)
-            if not met:  # the guess never caught up: the true run goes on from where the replay stopped
-                if step < stop:
-                    run(step, stop, counts)
-                ends[k] = counts
-        true_state = ends[k]
+    @property
+    def dataset_id_dtype(self) -> np.dtype:
+        return megatron_dataset_id_dtype(self.num_datasets)
+
+    def guess(self, step: int) -> np.ndarray:
+        """(D,) int64: the counts after ``step`` steps, guessed in closed form (exact at 0)."""
+        if step == 0:
+            return np.zeros(self.num_datasets, dtype=np.int64)
+        return _guess_counts(self.weights, self.limits, step, self.member_start, self.members)
+
+    def run(self, start: int, stop: int, counts: np.ndarray, out_dataset: np.ndarray, out_sample: np.ndarray) -> None:
+        """Steps ``start .. stop-1`` from ``counts`` (updated in place to the counts at ``stop``)
+        into ``out_dataset``/``out_sample`` (each ``stop - start`` long)."""
+        if stop <= start:
+            return
+        if self._groups is None:
+            self.kernels.scan(self.weights, self.limits, start, stop, counts, out_dataset, out_sample)
+        else:
+            group_weight, group_limit, member_start, members = self._groups
+            self.kernels.greedy(group_weight, group_limit, member_start, members, start, stop, self._theta0, counts,
+                                out_dataset, out_sample)
+
+    def fill(self, start: int, stop: int, out_dataset: np.ndarray, out_sample: np.ndarray, *,
+             counts: np.ndarray | None = None, threads: int = 1) -> RangeRun:
+        """Steps ``[start, stop)`` into the two outputs (each ``stop - start`` long), from
+        ``counts`` (None: :meth:`guess` at ``start``), on ``threads`` threads: the range is cut
+        into chunks that all run at once, each from a guessed state, then every chunk but the
+        first is repaired from the end of the chunk before. Returns the start state used and the
+        end state; the outputs are megatron's steps whenever the start state is the true one."""
+        start_counts = self.guess(start) if counts is None else np.array(counts, dtype=np.int64)
+        size = stop - start
+        chunks = max(1, min(int(threads), size // _MIN_CHUNK))
+        bounds = [start + size * k // chunks for k in range(chunks + 1)]
+        starts = [start_counts] + [self.guess(step) for step in bounds[1:-1]]
+        ends = [state.copy() for state in starts]
+
+        def run(k: int) -> None:
+            a, b = bounds[k] - start, bounds[k + 1] - start
+            self.run(bounds[k], bounds[k + 1], ends[k], out_dataset[a:b], out_sample[a:b])
+
+        if chunks == 1:
+            run(0)
+        else:  # every chunk from its guessed state at once (the kernels release the GIL) ...
+            with ThreadPoolExecutor(max_workers=chunks) as pool:
+                for future in [pool.submit(run, k) for k in range(chunks)]:
+                    future.result()
+        # ... then, chunk by chunk, replay megatron's loop from the true state where the guess missed
+        for k in range(1, chunks):
+            a, b = bounds[k] - start, bounds[k + 1] - start
+            repaired = self.repair(bounds[k], bounds[k + 1], ends[k - 1], starts[k], out_dataset[a:b], out_sample[a:b])
+            if repaired is not None:
+                ends[k] = repaired
+        return RangeRun(start_counts=start_counts, end_counts=ends[-1])
+
+    def repair(self, start: int, stop: int, true_counts: np.ndarray, recorded_counts: np.ndarray,
+               out_dataset: np.ndarray, out_sample: np.ndarray) -> np.ndarray | None:
+        """Make steps ``[start, stop)``, recorded in the outputs from ``recorded_counts``,
+        megatron's steps from ``true_counts``: replay megatron's loop over the recorded picks
+        until the true counts equal the recorded run's (from there both runs are one run), or
+        rerun the rest of the range when they never meet. Returns the new end state, or None
+        when the end state is unchanged (the runs met, or the two start states are equal)."""
+        if np.array_equal(true_counts, recorded_counts):
+            return None
+        if stop <= start:
+            return np.array(true_counts, dtype=np.int64)
+        counts = np.array(true_counts, dtype=np.int64)
+        step, met = self.kernels.resync(self.weights, self.limits, start, stop, counts, recorded_counts, out_dataset,
+                                        out_sample, self._replay_steps)
+        if met:
+            return None
+        if step < stop:  # the guess never caught up: the true run goes on from where the replay stopped
+            self.run(step, stop, counts, out_dataset[step - start:], out_sample[step - start:])
+        return counts
+
+
+def ranges_settled(runs: Sequence[RangeRun]) -> bool:
+    """Whether consecutive ranges, each recorded from ``runs[r].start_counts``, form megatron's
+    run: the first starts from zero counts and each starts where the one before ended."""
+    if runs and runs[0].start_counts.any():
+        return False
+    return all(np.array_equal(runs[r].start_counts, runs[r - 1].end_counts) for r in range(1, len(runs)))
+
+
+def settle_range(greedy: MegatronGreedy, bounds: Sequence[int], runs: Sequence[RangeRun], r: int,
+                 out_dataset: np.ndarray, out_sample: np.ndarray) -> RangeRun:
+    """One round of repairing range ``r`` (steps ``bounds[r] .. bounds[r + 1]``, recorded in the
+    outputs) given every range's run: range ``r`` takes the end state of range ``r - 1`` as its
+    true start and is repaired from it. Every range repairs at once; after ``k`` rounds the first
+    ``k + 1`` ranges are megatron's, and usually one round settles all (a range's end state only
+    changes when its guessed run never met the true one)."""
+    true_start = np.zeros(greedy.num_datasets, dtype=np.int64) if r == 0 else runs[r - 1].end_counts
+    mine = runs[r]
+    end = greedy.repair(bounds[r], bounds[r + 1], true_start, mine.start_counts, out_dataset, out_sample)
+    return RangeRun(start_counts=np.array(true_start, dtype=np.int64),
+                    end_counts=mine.end_counts if end is None else end)
+
+
+def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threads: int = 1):
+    greedy = MegatronGreedy(weights, limits, backend)
+    dataset_ids = np.zeros(size, dtype=greedy.dataset_id_dtype)
+    sample_ids = np.zeros(size, dtype=np.int64)
+    if size:
+        greedy.fill(0, size, dataset_ids, sample_ids, threads=threads)
     return dataset_ids, sample_ids
 
 
