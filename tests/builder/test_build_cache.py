@@ -156,7 +156,10 @@ def test_manifest_records_versions_keys_files_and_timings(stores, tmp_path):
     assert set(manifest["stores"]) == set(stores)
     assert not os.listdir(tmp_path / "cache" / "tmp")  # nothing half-written left behind
     packs = os.listdir(tmp_path / "cache" / "packs")
-    assert len(packs) == 2  # one pack (data + index) holds every item of this one-rank build
+    # one pack (data + index) holds every dataset item of this one-rank build; each exact blend,
+    # written in place by every rank, has a pack of its own
+    blends = sum(1 for item in result.plan.items if item.kind == "blend")
+    assert blends and len(packs) == 2 * (1 + blends)
 
 
 def test_an_item_failure_is_a_build_error_naming_the_item(stores, tmp_path):

@@ -104,6 +104,31 @@ def sha256_range(path: str, offset: int, size: int) -> str:
     return digest.hexdigest()
 
 
+def root_digest(header_sha256: str, blocks: list[str]) -> str:
+    """The SHA-256 of an array written in blocks (a divided blend): SHA-256 over the header's
+    digest and every block's digest, in order (FORMAT.md, "Divided blends")."""
+    digest = hashlib.sha256(bytes.fromhex(header_sha256))
+    for block in blocks:
+        digest.update(bytes.fromhex(block))
+    return digest.hexdigest()
+
+
+def array_digest(path: str, meta: Mapping[str, Any]) -> tuple[str, int | None]:
+    """An array's digest as its file entry defines it (one SHA-256 of the .npy image, or
+    ``"hash": "sha256-blocks"``: the root over the header and each block of ``block_bytes``),
+    and the first block whose digest differs from the recorded one (None if none or no blocks)."""
+    if meta.get("hash") != "sha256-blocks":
+        return sha256_range(path, meta["offset"], meta["bytes"]), None
+    header = sha256_range(path, meta["offset"], meta["data_offset"] - meta["offset"])
+    blocks, bad = [], None
+    end = meta["offset"] + meta["bytes"]
+    for k, begin in enumerate(range(meta["data_offset"], end, meta["block_bytes"])):
+        blocks.append(sha256_range(path, begin, min(meta["block_bytes"], end - begin)))
+        if bad is None and (k >= len(meta["blocks"]) or blocks[-1] != meta["blocks"][k]):
+            bad = k
+    return root_digest(header, blocks), bad
+
+
 def host_record() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
 
@@ -452,14 +477,29 @@ def verify_cache(root: str) -> VerifyReport:
                     problems.append(f"{where}: past the end of the {size}-byte pack; truncated")
                     continue
                 files += 1
-                digest = sha256_range(pack_path, meta["offset"], meta["bytes"])
+                digest, bad_block = array_digest(pack_path, meta)
                 if digest != meta["sha256"]:
-                    problems.append(f"{where}: SHA-256 {digest[:16]}..., manifest says {meta['sha256'][:16]}...; "
-                                    "the pack was changed or damaged")
+                    block = ""
+                    if bad_block is not None:
+                        begin = meta["data_offset"] + bad_block * meta["block_bytes"]
+                        end = min(begin + meta["block_bytes"], meta["offset"] + meta["bytes"])
+                        block = f" (block {bad_block}, bytes {begin}..{end}, is the first that differs)"
+                    problems.append(f"{where}: SHA-256 {digest[:16]}..., manifest says {meta['sha256'][:16]}..."
+                                    f"{block}; the pack was changed or damaged")
     return VerifyReport(root=cache.root, manifests=len(manifests), items=len(checked), files=files,
                         problems=tuple(problems))
 
 
-__all__ = ["CACHE_FORMAT_VERSION", "Cache", "PackWriter", "VerifyReport", "host_record", "npy_header", "sha256_range",
-           "verify_cache",
-           "write_npy"]
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "Cache",
+    "PackWriter",
+    "VerifyReport",
+    "array_digest",
+    "host_record",
+    "npy_header",
+    "root_digest",
+    "sha256_range",
+    "verify_cache",
+    "write_npy",
+]

@@ -44,6 +44,16 @@ class Failure:
         return f"rank {self.rank} failed in {self.phase}{where}: {self.error_type}: {self.message}"
 
 
+class CollectiveBuildError(BuildError):
+    """The BuildError :func:`agree` raises on every rank; ``failures`` are the ranks' own, so a
+    caller that reports it again (a thread's failure joining a later phase) passes them on
+    unchanged instead of wrapping the message."""
+
+    def __init__(self, message: str, failures: list[Failure]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
 def failure_from(exc: BaseException, *, rank: int, phase: str, item: str | None) -> Failure:
     return Failure(rank=rank, phase=phase, item=item, error_type=type(exc).__name__, message=str(exc))
 
@@ -60,6 +70,10 @@ class LocalGroup:
 
     def broadcast_bytes(self, data: bytes | None, src: int, size: int) -> bytes:
         return data if data is not None else b""
+
+    def sibling(self) -> LocalGroup:
+        """A second group over the same ranks: for one process, this one."""
+        return self
 
     def barrier(self) -> None:
         pass
@@ -89,6 +103,12 @@ class TorchGroup:
         self.ranks = ranks
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self._parent = group
+
+    def sibling(self) -> TorchGroup:
+        """Another gloo group over the same ranks (collective: every rank calls it), so two
+        threads can run collectives at once, one group each."""
+        return TorchGroup(self._parent, timeout_s=self.timeout_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -168,13 +188,12 @@ def agree(group, failure: Failure | None, *, phase: str, payload: Any = None) ->
     """Gather every rank's ``(failure, payload)``; if any rank failed, raise the same BuildError
     on every rank. Returns the payloads, by rank."""
     statuses = gather(group, (failure, payload), phase=phase)
-    failures = [f for f, _ in statuses if f is not None]
+    failures = sorted({f for f, _ in statuses if f is not None}, key=lambda f: (f.rank, f.describe()))
     if failures:
-        failures.sort(key=lambda f: f.rank)
         first = failures[0]
         more = "" if len(failures) == 1 else f" (and {len(failures) - 1} more: " + "; ".join(
             f.describe() for f in failures[1:4]) + ("; ..." if len(failures) > 4 else "") + ")"
-        raise BuildError(first.describe() + more)
+        raise CollectiveBuildError(first.describe() + more, failures)
     return [p for _, p in statuses]
 
 
@@ -191,5 +210,5 @@ def writers_by_node(keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], in
     return writers
 
 
-__all__ = ["Failure", "LocalGroup", "TorchGroup", "agree", "failure_from", "gather", "node_key",
+__all__ = ["CollectiveBuildError", "Failure", "LocalGroup", "TorchGroup", "agree", "failure_from", "gather", "node_key",
            "open_group", "writers_by_node"]

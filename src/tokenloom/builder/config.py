@@ -95,6 +95,11 @@ class BuildConfig:
     """Threads of each exact blend (megatron's greedy in chunks, identical arrays); 0: this rank's
     share of its host's cores (the cores it may use / the build's ranks on the host)."""
 
+    blend_block_samples: int = 1 << 20
+    """Positions per block of an exact blend's arrays: every rank computes and writes whole
+    blocks of the blend, and each block is hashed on its own (the cache records the blocks'
+    SHA-256). Changes no array; smaller blocks divide small blends over more ranks."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_length", check_positive_int("seq_length", self.seq_length))
         if (self.blend is None) == (self.blend_per_split is None):
@@ -171,6 +176,8 @@ class BuildConfig:
         check_number("timeout_s", self.timeout_s, positive=True, expected="a positive number of seconds")
         object.__setattr__(self, "rng_workers", check_non_negative_int("rng_workers", self.rng_workers))
         object.__setattr__(self, "blend_threads", check_non_negative_int("blend_threads", self.blend_threads))
+        object.__setattr__(self, "blend_block_samples", check_positive_int("blend_block_samples",
+                                                                            self.blend_block_samples))
         for index, name in enumerate(SPLIT_NAMES):
             blend = self.blend_for_split(index)
             if blend is not None and blend.weights is not None and len(blend.prefixes) > 1 \

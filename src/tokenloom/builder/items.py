@@ -90,7 +90,11 @@ class BuildPlan:
     world_size: int
     """Ranks the items are spread over."""
     assignment: Mapping[str, int] = field(default_factory=dict)
-    """Item key -> rank that builds it (only items that need building)."""
+    """Item key -> rank that builds it (only items that need building and one rank builds)."""
+    divided: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Item key -> ``world_size + 1`` position bounds: rank ``r`` computes and writes positions
+    ``[bounds[r], bounds[r + 1])`` of the blend (exact-mode blends that need building; ranks may
+    get an empty range)."""
 
     def item(self, key: str) -> WorkItem:
         for item in self.items:
@@ -99,15 +103,24 @@ class BuildPlan:
         raise KeyError(key)
 
     def items_of_rank(self, rank: int) -> list[WorkItem]:
-        """Items ``rank`` builds, costliest first."""
+        """Items ``rank`` builds alone, costliest first (divided blends not included)."""
         mine = [item for item in self.items if self.assignment.get(item.key) == rank]
         return sorted(mine, key=lambda item: (-item.cost_s, item.key))
 
+    def divided_items(self) -> list[WorkItem]:
+        """The blends every rank builds a range of, in plan order."""
+        return [item for item in self.items if item.key in self.divided]
+
     def seconds_per_rank(self) -> list[float]:
+        """Estimated seconds of work on one core, by rank: its items and its ranges of blends."""
         loads = [0.0] * self.world_size
         by_key = {item.key: item for item in self.items}
         for key, rank in self.assignment.items():
             loads[rank] += by_key[key].cost_s
+        for key, bounds in self.divided.items():
+            item = by_key[key]
+            for rank in range(self.world_size):
+                loads[rank] += _range_cost(item, bounds[rank + 1] - bounds[rank])
         return loads
 
     @property
@@ -310,6 +323,61 @@ def _stateless_sizes(config, infos, blend, split_index, ranges, size):
     return datasets, megatron_normalize(lengths).tolist(), int(total)
 
 
+def _range_cost(item: WorkItem, positions: int) -> float:
+    """Seconds on one core to compute and write ``positions`` positions of a divided blend."""
+    if positions <= 0:
+        return 0.0
+    return COST_PER_ITEM_S + (item.cost_s - COST_PER_ITEM_S) * positions / max(1, item.num_samples)
+
+
+def divide_blends(blends: list[WorkItem], loads: list[float], block: int) -> dict[str, tuple[int, ...]]:
+    """Cut every blend into one range of positions per rank so that, with the ``loads`` the
+    ranks already carry, the ranks' total estimated seconds are as equal as the cuts allow.
+
+    The blends are laid end to end on one line of positions and the line is cut where each
+    rank's share ends; a rank's share is what lifts its load to the common level (water
+    filling), so a rank with many dataset items gets fewer positions. Cuts fall on multiples
+    of ``block`` positions (the unit of the array hashes) within each blend, so each rank's
+    range of a blend is whole blocks but the last. Deterministic: every rank computes the same
+    bounds.
+    """
+    world = len(loads)
+    if not blends:
+        return {}
+    per_position = [(item.cost_s - COST_PER_ITEM_S) / max(1, item.num_samples) for item in blends]
+    total = sum(p * item.num_samples for p, item in zip(per_position, blends))
+    # the level L with sum(max(0, L - load)) == total
+    order = sorted(loads)
+    level, filled = order[0], 0.0
+    for k in range(world):
+        nxt = order[k + 1] if k + 1 < world else float("inf")
+        room = (nxt - order[k]) * (k + 1)
+        if filled + room >= total:
+            level = order[k] + (total - filled) / (k + 1)
+            break
+        filled += room
+    shares = [max(0.0, level - load) for load in loads]  # seconds of blend work per rank
+    # cut the line of blend seconds at the ranks' cumulative shares
+    ends, running = [], 0.0
+    for share in shares:
+        running += share
+        ends.append(running)
+    out: dict[str, tuple[int, ...]] = {}
+    offset_s = 0.0
+    for item, p in zip(blends, per_position):
+        size = item.num_samples
+        bounds = [0]
+        for rank in range(world - 1):
+            seconds_into = min(max(ends[rank] - offset_s, 0.0), p * size)
+            position = round(seconds_into / p) if p > 0 else size
+            position = min(size, max(bounds[-1], (position // block) * block if position < size else size))
+            bounds.append(position)
+        bounds.append(size)
+        out[item.key] = tuple(bounds)
+        offset_s += p * size
+    return out
+
+
 def assign_lpt(items: list[WorkItem], world_size: int) -> dict[str, int]:
     """Longest processing time first: each item, costliest first, to the least-loaded rank
     (ties to the lowest rank); deterministic, so every rank computes the same assignment."""
@@ -327,9 +395,27 @@ def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: 
     """The plan: every item, the splits, and the ranks that build the items not in ``done``."""
     check_positive_int("world_size", world_size)
     items, splits = resolve_items(config, infos)
-    todo = [item for item in items if item.key not in done]
-    return BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size,
-                     assignment=assign_lpt(todo, world_size))
+    return assign_work(config, items, splits, world_size, [item for item in items if item.key not in done])
+
+
+def is_divided(config: BuildConfig, item: WorkItem) -> bool:
+    """Whether ``item`` is built by every rank, a range each: exact-mode blends."""
+    return config.mode == "exact" and item.kind == "blend"
+
+
+def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[WorkItem]) -> BuildPlan:
+    """The plan with ``todo`` spread over the ranks: single-rank items by longest processing time
+    first, then every exact blend cut into ranges that even out the ranks' loads."""
+    single = [item for item in todo if not is_divided(config, item)]
+    assignment = assign_lpt(single, world_size)
+    loads = [0.0] * world_size
+    by_key = {item.key: item for item in single}
+    for key, rank in assignment.items():
+        loads[rank] += by_key[key].cost_s
+    divided = divide_blends([item for item in todo if is_divided(config, item)], loads,
+                            config.blend_block_samples)
+    return BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size, assignment=assignment,
+                     divided=divided)
 
 
 def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
@@ -340,8 +426,12 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
     lines = [
         f"{len(plan.items)} items ({sum(i.kind == 'gpt' for i in plan.items)} dataset indices, "
         f"{sum(i.kind == 'blend' for i in plan.items)} blends), {cached} already in the cache, "
-        f"{len(plan.assignment)} to build on {plan.world_size} rank(s)",
+        f"{len(plan.assignment) + len(plan.divided)} to build on {plan.world_size} rank(s)",
     ]
+    for item in plan.divided_items():
+        bounds = plan.divided[item.key]
+        working = sum(1 for r in range(plan.world_size) if bounds[r + 1] > bounds[r])
+        lines.append(f"  {item.label}: {item.num_samples:,} positions divided over {working} rank(s)")
     for split in plan.splits:
         lines.append(f"  {split.name}: {split.num_samples:,} samples from {len(split.prefixes)} store(s)"
                      + ("" if split.blend_key is None else " (blended)"))
@@ -349,7 +439,9 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
     shown = plan.world_size if plan.world_size <= 16 else 8
     for rank in range(shown):
         mine = by_rank[rank]
-        peak = max((i.output_bytes for i in mine), default=0) * 2
+        ranges = [i.output_bytes * (plan.divided[i.key][rank + 1] - plan.divided[i.key][rank]) // max(1, i.num_samples)
+                  for i in plan.divided_items()]
+        peak = max([i.output_bytes * 2 for i in mine] + ranges + [0])
         lines.append(f"  {rank:>6} {len(mine):>7} {loads[rank]:>9.2f} {peak / 2**20:>9.1f}")
     if shown < plan.world_size:
         lines.append(f"  ... {plan.world_size - shown} more ranks")
@@ -361,6 +453,7 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
 
 
 __all__ = [
-    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "format_plan", "plan_build", "ranges_for",
+    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "divide_blends", "format_plan",
+    "is_divided", "plan_build", "ranges_for",
     "resolve_items", "split_ranges",
 ]

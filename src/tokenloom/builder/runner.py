@@ -27,8 +27,16 @@ import numpy as np
 
 from tokenloom._version import __version__
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION, Cache, PackWriter, host_record
-from tokenloom.builder.collective import agree, failure_from, node_key, open_group, writers_by_node
+from tokenloom.builder.collective import (
+    CollectiveBuildError,
+    agree,
+    failure_from,
+    node_key,
+    open_group,
+    writers_by_node,
+)
 from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
+from tokenloom.builder.divided import DividedContext, build_divided_blend
 from tokenloom.builder.exact import (
     SMALL_WALK_POSITIONS,
     ShuffleDrawer,
@@ -36,7 +44,7 @@ from tokenloom.builder.exact import (
     build_gpt_arrays,
     plan_to_dict,
 )
-from tokenloom.builder.items import BuildPlan, WorkItem, assign_lpt, plan_build, ranges_for
+from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, plan_build, ranges_for
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
@@ -71,9 +79,13 @@ def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCal
     """
     config = as_build_config(config)
     group, owned = open_group(group, timeout_s=config.timeout_s)
+    blend_group = None
     try:
-        return _Build(config, group, on_progress, on_plan, _before_item).run(dry_run)
+        blend_group = group.sibling()  # divided blends talk on their own group, beside the items
+        return _Build(config, group, blend_group, on_progress, on_plan, _before_item).run(dry_run)
     finally:
+        if blend_group is not None and blend_group is not group:
+            blend_group.close()
         group.close()
         if owned:
             import torch.distributed as dist
@@ -82,9 +94,10 @@ def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCal
 
 
 class _Build:
-    def __init__(self, config: BuildConfig, group, on_progress, on_plan, before_item) -> None:
+    def __init__(self, config: BuildConfig, group, blend_group, on_progress, on_plan, before_item) -> None:
         self.config = config
         self.group = group
+        self.blend_group = blend_group
         self.rank = group.rank
         self.world = group.world_size
         self.cache = Cache(config.cache_dir)
@@ -187,8 +200,8 @@ class _Build:
         present = {writer: gathered[writer] for writer in writers}
         everywhere_missing = [item for item in plan.items
                               if not any(item.key in keys for keys in present.values())]
-        plan = BuildPlan(items=plan.items, splits=plan.splits, world_size=self.world,
-                         assignment=assign_lpt(everywhere_missing, self.world))
+        plan = assign_work(self.config, plan.items, plan.splits, self.world, everywhere_missing)
+        self.writer_of = nodes
         return plan, nodes, present
 
     # -- 3. build -------------------------------------------------------------------------------
@@ -198,7 +211,7 @@ class _Build:
         gpt_jobs = [(item.prefix, item.params) for item in mine if item.kind == "gpt" and exact]
         records: dict[str, dict] = {}
         failure = None
-        poller = _ProgressPoller(self.cache, list(plan.assignment), self.on_progress,
+        poller = _ProgressPoller(self.cache, [*plan.assignment, *plan.divided], self.on_progress,
                                  poll=self.config.shared_fs and self.world > 1)
         # background draws pay off once the work outweighs starting a process (about a second)
         draw_cost = sum(item.cost_s for item in mine if item.kind == "gpt")
@@ -208,9 +221,12 @@ class _Build:
         positions = sum(_positions(item) for item in mine if item.kind == "gpt")
         self._compiled_walk = True if positions >= SMALL_WALK_POSITIONS else None
         gpt_seen = 0
-        # blends run on a thread beside the dataset items (their kernel releases the GIL)
+        # blends run on a thread beside the dataset items (their kernel releases the GIL): a
+        # stateless blend on its rank, every exact blend on every rank, a range each
         blends = [item for item in mine if item.kind == "blend"]
-        blend_thread = _BlendThread(self, blends, packs, records, poller) if blends else None
+        divided = plan.divided_items()
+        blend_thread = (_BlendThread(self, blends, divided, plan, packs, records, poller)
+                        if blends or divided else None)
         try:
             for item in mine:
                 if item.kind == "blend":
@@ -310,6 +326,8 @@ class _Build:
         packs = PackWriter(self.cache)
         try:
             for item in plan.items:
+                if item.key in plan.divided:
+                    continue  # every node's writer received every range while it was built
                 needing = [w for w in writers if item.key not in present[w]
                            and not (item.key in records and nodes[plan.assignment[item.key]] == w)]
                 if not needing:
@@ -406,15 +424,18 @@ class _Build:
 
 
 class _BlendThread:
-    """Builds a rank's blend items on a thread while the main thread builds dataset items."""
+    """Builds blends on a thread while the main thread builds dataset items: this rank's own
+    (stateless) blends, then its range of every divided (exact) blend, with the other ranks over
+    the build's second group (:mod:`tokenloom.builder.divided`)."""
 
-    def __init__(self, build: _Build, items: list[WorkItem], packs, records, poller) -> None:
+    def __init__(self, build: _Build, items: list[WorkItem], divided: list[WorkItem], plan: BuildPlan, packs,
+                 records, poller) -> None:
         self.failure = None
-        self._thread = threading.Thread(target=self._run, args=(build, items, packs, records, poller),
+        self._thread = threading.Thread(target=self._run, args=(build, items, divided, plan, packs, records, poller),
                                         name="tokenloom-blend", daemon=True)
         self._thread.start()
 
-    def _run(self, build, items, packs, records, poller) -> None:
+    def _run(self, build, items, divided, plan, packs, records, poller) -> None:
         for item in items:
             try:
                 if build.before_item is not None:
@@ -422,6 +443,23 @@ class _BlendThread:
                 build._build_and_queue(item, packs, records, poller, lambda: None)
             except Exception as exc:
                 self.failure = failure_from(exc, rank=build.rank, phase="build", item=item.label)
+                break
+        if not divided:
+            return
+        # every rank takes part in every divided blend: the collectives inside carry a failure
+        # to all ranks instead of leaving them waiting
+        context = DividedContext(group=build.blend_group, cache=build.cache, writer_of=build.writer_of,
+                                 threads=build._blend_threads(), block=build.config.blend_block_samples,
+                                 before_item=build.before_item)
+        for item in divided:
+            try:
+                records[item.key] = build_divided_blend(context, item, plan.divided[item.key])
+                poller.done_locally(item.key)
+            except CollectiveBuildError as exc:  # already every rank's: pass the original on
+                self.failure = self.failure or exc.failures[0]
+                return
+            except Exception as exc:
+                self.failure = self.failure or failure_from(exc, rank=build.rank, phase="build", item=item.label)
                 return
 
     def join(self) -> None:

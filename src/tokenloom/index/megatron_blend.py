@@ -534,6 +534,38 @@ class MegatronGreedy:
         self._theta0 = 0.3 if len(self.member_start) - 1 > _SCAN_ALL else -np.inf
         self._replay_steps = min(_RESYNC_STEPS, max(1024, _RESYNC_WORK // self.num_datasets))
 
+    @classmethod
+    def for_weights(cls, weights, *, backend: str = "auto", allow_beyond_megatron: bool = False) -> MegatronGreedy:
+        """The greedy of ``build_blending_indices(weights, size)``: weights used exactly as
+        given, finite and non-negative, at most 32766 datasets unless ``allow_beyond_megatron``."""
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)  # (D,) float64
+        _check_num_datasets(w.shape[0], allow_beyond_megatron)
+        bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+        if len(bad):
+            d = int(bad[0])
+            raise ConfigError(f"weight of dataset {d} is {w[d]!r}; expected a finite non-negative number")
+        return cls(w, np.full(w.shape[0], -1, dtype=np.int64), backend)
+
+    @classmethod
+    def for_sizes(cls, dataset_sizes, *, backend: str = "auto", allow_beyond_megatron: bool = False) -> MegatronGreedy:
+        """The greedy of ``build_exhaustive_blending_indices(sizes)``: weights ``size_d /
+        double(total)``, each dataset leaving the race once it gave ``size_d`` samples (its
+        steps are ``sum(sizes)``); sizes positive integers."""
+        sizes = np.asarray(dataset_sizes)
+        if sizes.dtype.kind not in "iu" and not (sizes.dtype.kind == "f" and np.all(np.mod(sizes, 1) == 0)):
+            raise ConfigError(f"dataset_sizes must be integers, got dtype {sizes.dtype}")
+        sizes = sizes.astype(np.int64).reshape(-1)  # (D,) int64
+        _check_num_datasets(sizes.shape[0], allow_beyond_megatron)
+        bad = np.flatnonzero(sizes <= 0)
+        if len(bad):
+            d = int(bad[0])
+            raise ConfigError(
+                f"size of dataset {d} is {int(sizes[d])}; expected a positive number of samples "
+                "(megatron-core never finishes an exhaustive blend with an empty dataset)"
+            )
+        weights = sizes / np.float64(int(sizes.sum()))  # (D,) float64, megatron's size_d / double(total)
+        return cls(weights, sizes.copy(), backend)
+
     @property
     def dataset_id_dtype(self) -> np.dtype:
         return megatron_dataset_id_dtype(self.num_datasets)
@@ -631,8 +663,7 @@ def settle_range(greedy: MegatronGreedy, bounds: Sequence[int], runs: Sequence[R
                     end_counts=mine.end_counts if end is None else end)
 
 
-def _run(weights: np.ndarray, limits: np.ndarray, size: int, backend: str, threads: int = 1):
-    greedy = MegatronGreedy(weights, limits, backend)
+def _run(greedy: MegatronGreedy, size: int, threads: int = 1):
     dataset_ids = np.zeros(size, dtype=greedy.dataset_id_dtype)
     sample_ids = np.zeros(size, dtype=np.int64)
     if size:
@@ -676,16 +707,10 @@ def megatron_blend(weights, size: int, *, backend: str = "auto", allow_beyond_me
     state, then repairs each chunk's start from the true state of the chunk before (see
     :func:`_run`); the arrays are identical for every thread count.
     """
-    w = np.asarray(weights, dtype=np.float64).reshape(-1)  # (D,) float64
     size = _check_size(size, "size")
     threads = _check_threads(threads)
-    _check_num_datasets(w.shape[0], allow_beyond_megatron)
-    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
-    if len(bad):
-        d = int(bad[0])
-        raise ConfigError(f"weight of dataset {d} is {w[d]!r}; expected a finite non-negative number")
-    limits = np.full(w.shape[0], -1, dtype=np.int64)
-    return _run(np.ascontiguousarray(w), limits, size, backend, threads)
+    return _run(MegatronGreedy.for_weights(weights, backend=backend, allow_beyond_megatron=allow_beyond_megatron),
+                size, threads)
 
 
 def megatron_exhaustive_blend(dataset_sizes, *, backend: str = "auto", allow_beyond_megatron: bool = False,
@@ -697,21 +722,8 @@ def megatron_exhaustive_blend(dataset_sizes, *, backend: str = "auto", allow_bey
     ``sum(dataset_sizes)`` samples. Sizes must be positive (megatron-core loops forever on 0).
     """
     threads = _check_threads(threads)
-    sizes = np.asarray(dataset_sizes)
-    if sizes.dtype.kind not in "iu" and not (sizes.dtype.kind == "f" and np.all(np.mod(sizes, 1) == 0)):
-        raise ConfigError(f"dataset_sizes must be integers, got dtype {sizes.dtype}")
-    sizes = sizes.astype(np.int64).reshape(-1)  # (D,) int64
-    _check_num_datasets(sizes.shape[0], allow_beyond_megatron)
-    bad = np.flatnonzero(sizes <= 0)
-    if len(bad):
-        d = int(bad[0])
-        raise ConfigError(
-            f"size of dataset {d} is {int(sizes[d])}; expected a positive number of samples "
-            "(megatron-core never finishes an exhaustive blend with an empty dataset)"
-        )
-    total = int(sizes.sum())
-    weights = sizes / np.float64(total)  # (D,) float64, megatron's size_d / double(total)
-    return _run(weights, sizes.copy(), total, backend, threads)
+    greedy = MegatronGreedy.for_sizes(dataset_sizes, backend=backend, allow_beyond_megatron=allow_beyond_megatron)
+    return _run(greedy, int(greedy.limits.sum()), threads)
 
 
 def _reference_megatron_blend(weights, size: int, dataset_sizes=None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,320 @@
+"""An exact blend built by every rank: a range of positions each, written in place, hashed by block.
+
+The train blend of a large exact build is its longest item (3.55e9 positions and 33 GiB at 5e12
+tokens). Here every rank of the build computes a contiguous range of its positions and writes
+them straight into their place in one file:
+
+1. **Prepare.** The writer of each node (the lowest rank that sees that node's cache directory;
+   one writer with a shared filesystem) takes the item's lock, creates the pack file in ``tmp/``
+   at its final size with both arrays' ``.npy`` headers, and tells the other ranks its name.
+2. **Compute.** Rank ``r`` runs megatron's greedy over positions ``[bounds[r], bounds[r + 1])``
+   from a guessed start state, on its threads (:class:`~tokenloom.index.megatron_blend.MegatronGreedy`).
+3. **Settle.** The ranks gather every range's start and end state; a range whose start was not
+   the end of the range before is repaired from it (``settle_range``), round after round until
+   consecutive ranges agree. The arrays are then megatron-core's, byte for byte, for any number
+   of ranks (the guess only decides how much is replayed).
+4. **Write.** Each rank writes its range of both arrays at their offsets (``os.pwrite``), hashes
+   each block of ``blend_block_samples`` positions it holds, and syncs. Without a shared
+   filesystem a range also travels over the build's group to every other node's writer.
+5. **Publish.** The writer records the arrays' block hashes (their SHA-256 is the hash of the
+   header's and the blocks' hashes: FORMAT.md, "Divided blends"), renames the file into
+   ``packs/`` and writes the pack index last. Until then nothing refers to the file, so an
+   interrupted build leaves no pack that looks valid; a failure on any rank removes it.
+
+Every step ends with :func:`~tokenloom.builder.collective.agree`: a failure anywhere raises the
+same BuildError on every rank, and a killed rank makes the others fail within the group timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenloom.builder.cache import (
+    ALIGNMENT,
+    CACHE_FORMAT_VERSION,
+    PACKS_DIR,
+    TMP_DIR,
+    Cache,
+    host_record,
+    root_digest,
+)
+from tokenloom.builder.collective import agree, failure_from
+from tokenloom.builder.items import WorkItem
+from tokenloom.errors import BuildError
+from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled, settle_range
+from tokenloom.io.writer import fsync_dir, write_json_atomic
+
+#: The two arrays of a blend, in pack order, and the dtype of the second (the first is
+#: megatron's dataset-id dtype: int16, int32 beyond 32766 datasets).
+ARRAY_NAMES = ("dataset_index", "dataset_sample_index")
+
+
+def npy_header_for(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The .npy header ``numpy.save`` writes for a C-ordered array of ``shape`` and ``dtype``."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                 "shape": tuple(shape)})
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArraySlot:
+    """Where one array of a divided blend lies in its pack."""
+
+    name: str
+    dtype: np.dtype
+    size: int
+    """Elements (the blend's positions)."""
+    offset: int
+    """Byte offset of the .npy image (header first)."""
+    header: bytes
+    """The .npy header."""
+
+    @property
+    def data_offset(self) -> int:
+        return self.offset + len(self.header)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the .npy image."""
+        return len(self.header) + self.size * self.dtype.itemsize
+
+
+def pack_layout(size: int, id_dtype: np.dtype) -> tuple[list[ArraySlot], int]:
+    """The two arrays' slots in a pack holding only this blend, and the pack's size; every rank
+    computes the same layout from the blend's size alone."""
+    slots, offset = [], 0
+    for name, dtype in zip(ARRAY_NAMES, (np.dtype(id_dtype), np.dtype(np.int64))):
+        offset += -offset % ALIGNMENT
+        header = npy_header_for((size,), dtype)
+        slot = ArraySlot(name=name, dtype=dtype, size=size, offset=offset, header=header)
+        slots.append(slot)
+        offset += slot.nbytes
+    return slots, offset
+
+
+def block_digests(data: np.ndarray, block: int) -> list[str]:
+    """SHA-256 of each run of ``block`` elements of ``data`` (the last may be shorter)."""
+    view = data.reshape(-1)
+    return [hashlib.sha256(memoryview(view[k:k + block]).cast("B")).hexdigest() for k in range(0, view.shape[0], block)]
+
+
+@dataclass
+class DividedContext:
+    """What a rank needs to build its part of divided blends (set up by the runner)."""
+
+    group: Any
+    """The build's collective group for blends (gloo, or LocalGroup for one rank)."""
+    cache: Cache
+    writer_of: dict[int, int]
+    """Rank -> the rank that writes its node's files (itself for a writer)."""
+    threads: int
+    """Threads of this rank's greedy."""
+    block: int
+    """Positions per hash block; every range but the last of a blend is whole blocks."""
+    before_item: Callable[[WorkItem, int], None] | None = None
+
+
+def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, ...]) -> dict[str, Any]:
+    """Build blend ``item`` with every rank of ``ctx.group`` (each calls this, in the same order
+    of items); returns the item's published record (the same on every rank)."""
+    group, rank = ctx.group, ctx.group.rank
+    params = item.params
+    started = time.perf_counter()
+    weights = np.asarray(params["weights"], dtype=np.float64)
+    exhaustive = params["size"] is None  # weights are then the datasets' sizes
+    size = int(sum(params["weights"])) if exhaustive else int(params["size"])
+    writer = ctx.writer_of[rank]
+    writers = sorted(set(ctx.writer_of.values()))
+
+    # 1. prepare: the node writers lock the item and make the file
+    failure, skip, token, tmp = None, False, None, None
+    greedy = slots = total = None
+    try:
+        if ctx.before_item is not None:
+            ctx.before_item(item, rank)
+        greedy = MegatronGreedy.for_sizes(params["weights"]) if exhaustive else MegatronGreedy.for_weights(weights)
+        slots, total = pack_layout(size, greedy.dataset_id_dtype)
+        if rank == writer:
+            token = ctx.cache.acquire(item.key)
+            if ctx.cache.has(item.key):
+                skip = True  # another job published it while we waited for the lock
+            else:
+                ctx.cache.ensure()
+                tmp = os.path.join(ctx.cache.root, TMP_DIR, f"{item.key[:20]}-{uuid.uuid4().hex[:12]}.bin")
+                with open(tmp, "wb") as f:
+                    f.truncate(total)
+                    for slot in slots:
+                        f.seek(slot.offset)
+                        f.write(slot.header)
+    except Exception as exc:
+        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+    try:
+        prepared = agree(group, failure, phase="build", payload=(skip, tmp))
+        if all(prepared[w][0] for w in writers):
+            return ctx.cache.read_record(item.key)
+        if any(prepared[w][0] for w in writers):  # pragma: no cover - needs two jobs racing on some nodes only
+            raise BuildError(f"{item.label}: another job published it on some nodes only while this build waited; "
+                             "rerun the build: finished items are reused")
+        path = prepared[writer][1]
+        published = _compute_and_write(ctx, item, bounds, greedy, slots, path, prepared, writers, started)
+    except BaseException:
+        if tmp is not None:
+            _remove(tmp)
+        raise
+    finally:
+        if token is not None:
+            ctx.cache.release(token)
+    return published
+
+
+def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: MegatronGreedy, slots, path: str,
+                       prepared, writers: list[int], started: float) -> dict[str, Any]:
+    group, rank, world = ctx.group, ctx.group.rank, ctx.group.world_size
+    a, b = bounds[rank], bounds[rank + 1]
+    # 2. compute this rank's range from a guessed start
+    failure = run = None
+    out_dataset = np.zeros(b - a, dtype=slots[0].dtype)  # (b - a,) megatron's dataset ids
+    out_sample = np.zeros(b - a, dtype=np.int64)  # (b - a,)
+    try:
+        run = greedy.fill(a, b, out_dataset, out_sample, threads=ctx.threads)
+    except Exception as exc:
+        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+    runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
+            agree(group, failure, phase="build", payload=None if run is None else (run.start_counts, run.end_counts))]
+    # 3. settle: repair each range from the end of the range before, until they agree
+    rounds = 0
+    while not ranges_settled(runs):
+        failure = None
+        try:
+            run = settle_range(greedy, bounds, runs, rank, out_dataset, out_sample)
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+        runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
+                agree(group, failure, phase="build", payload=None if failure else (run.start_counts, run.end_counts))]
+        rounds += 1
+        if rounds > world:  # pragma: no cover - each round settles at least one more range
+            raise BuildError(f"{item.label}: the ranges did not settle in {world} rounds; this is a bug")
+    counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
+    lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)
+    over = np.flatnonzero(counts > lengths)
+    if over.size:
+        d = int(over[0])
+        raise BuildError(f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
+                         f"{int(lengths[d])}; raise mid_level_dataset_surplus (megatron-core fails here too)")
+    # 4. write the range in place (and to the writers of other nodes), hash its blocks
+    failure, digests = None, None
+    try:
+        digests = [block_digests(out, ctx.block) for out in (out_dataset, out_sample)]
+        _write_range(path, slots, a, (out_dataset, out_sample))
+    except Exception as exc:
+        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+    gathered = agree(group, failure, phase="build", payload=digests)
+    if len(writers) > 1:
+        _send_ranges(ctx, item, bounds, slots, path, (out_dataset, out_sample))
+    # 5. publish: the writers record the hashes, rename the file and write the pack index
+    record, failure = None, None
+    if rank in writers:
+        try:
+            record = _publish(ctx, item, bounds, slots, path, gathered, rounds, started)
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+    records = agree(group, failure, phase="build", payload=record)
+    return records[ctx.writer_of[rank]]
+
+
+def _write_range(path: str, slots, first: int, arrays) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for slot, data in zip(slots, arrays):
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
+            offset = slot.data_offset + first * slot.dtype.itemsize
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, arrays) -> None:
+    """Without a shared filesystem: every rank's range to the writers of the other nodes."""
+    group, rank = ctx.group, ctx.group.rank
+    for source in range(group.world_size):
+        count = bounds[source + 1] - bounds[source]
+        if count == 0:
+            continue
+        nbytes = [count * slot.dtype.itemsize for slot in slots]
+        blob = b"".join(memoryview(np.ascontiguousarray(a)).cast("B").tobytes() for a in arrays) \
+            if rank == source else None
+        try:
+            data = group.broadcast_bytes(blob, source, sum(nbytes))
+        except Exception as exc:
+            raise BuildError(
+                f"rank {rank}: the process group failed while receiving positions {bounds[source]}.."
+                f"{bounds[source + 1]} of {item.label} from rank {source} ({type(exc).__name__}: {exc}); a rank "
+                "was killed or hung. Rerun the build: finished items are reused") from exc
+        failure = None
+        if rank == ctx.writer_of[rank] and ctx.writer_of[source] != rank:
+            try:
+                split = nbytes[0]
+                received = (np.frombuffer(data[:split], dtype=slots[0].dtype),
+                            np.frombuffer(data[split:], dtype=slots[1].dtype))
+                _write_range(path, slots, bounds[source], received)
+            except Exception as exc:
+                failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+        agree(group, failure, phase="transfer")
+
+
+def _publish(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, gathered, rounds: int,
+             started: float) -> dict[str, Any]:
+    files = {}
+    for k, slot in enumerate(slots):
+        blocks = [digest for rank_digests in gathered for digest in rank_digests[k]]
+        header_sha256 = hashlib.sha256(slot.header).hexdigest()
+        files[f"{slot.name}.npy"] = {
+            "offset": slot.offset, "data_offset": slot.data_offset, "bytes": slot.nbytes,
+            "sha256": root_digest(header_sha256, blocks), "hash": "sha256-blocks",
+            "block_bytes": ctx.block * slot.dtype.itemsize, "header_sha256": header_sha256, "blocks": blocks,
+            "dtype": slot.dtype.str, "shape": [slot.size],
+        }
+    name = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    final = os.path.join(ctx.cache.root, PACKS_DIR, f"{name}.bin")
+    os.rename(path, final)
+    fsync_dir(os.path.dirname(final))
+    record = {
+        "kind": item.kind, "label": item.label, "split": item.split, "params": dict(item.params),
+        "num_samples": item.num_samples,
+        "built_by": {"rank": ctx.group.rank, "ranks": list(range(ctx.group.world_size)), "bounds": list(bounds),
+                     "settle_rounds": rounds, **host_record()},
+        "seconds": round(time.perf_counter() - started, 6), "threads": ctx.threads,
+        "megatron_md5": None if item.megatron is None else item.megatron.md5,
+        "key": item.key, "format": CACHE_FORMAT_VERSION, "files": files, "pack": name,
+    }
+    write_json_atomic(os.path.join(ctx.cache.root, PACKS_DIR, f"{name}.json"),
+                      {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
+                       "items": {item.key: record}})
+    ctx.cache.refresh()
+    return record
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["ARRAY_NAMES", "ArraySlot", "DividedContext", "block_digests", "build_divided_blend", "npy_header_for",
+           "pack_layout"]
