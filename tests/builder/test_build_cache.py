@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import tokenloom.builder as tb
 from build_fixtures import blend_config, cache_files, make_stores, write_store
-from tokenloom.builder.cache import write_npy
+from tokenloom.builder.cache import Cache, write_npy
 from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
 from tokenloom.builder.stores import fingerprint_store
 from tokenloom.errors import BuildError, ConfigError
@@ -302,3 +302,22 @@ def test_background_shuffle_draws_equal_inline_draws(stores, tmp_path):
                 assert background[name].dtype == inline[name].dtype
     finally:
         drawer.close()
+
+
+def test_verify_names_the_damaged_block_of_a_divided_blend(stores, tmp_path):
+    result = tb.build(blend_config(stores, tmp_path / "cache", blend_block_samples=64))
+    blend = next(item for item in result.plan.items if item.kind == "blend" and item.split == "train")
+    cache = Cache(str(tmp_path / "cache"))
+    record = cache.read_record(blend.key)
+    meta = record["files"]["dataset_sample_index.npy"]
+    assert meta["hash"] == "sha256-blocks" and meta["block_bytes"] == 64 * 8
+    assert len(meta["blocks"]) == -(-blend.num_samples // 64)
+    assert result.rank_seconds[0]["predicted_s"] > 0 and result.rank_seconds[0]["cpu_s"] > 0
+    pack = tmp_path / "cache" / "packs" / f"{record['pack']}.bin"
+    data = bytearray(pack.read_bytes())
+    data[meta["data_offset"] + 3 * 64 * 8 + 5] ^= 0xFF  # one byte of block 3
+    pack.write_bytes(bytes(data))
+    report = tb.verify_cache(str(tmp_path / "cache"))
+    assert not report.ok
+    (problem,) = report.problems
+    assert "dataset_sample_index.npy" in problem and "block 3," in problem

@@ -37,6 +37,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(config_file, tmp_path, capsy
     out = capsys.readouterr().out
     assert "12 items (9 dataset indices, 3 blends), 0 already in the cache, 12 to build on 1 rank(s)" in out
     assert "train: 800 samples from 3 store(s) (blended)" in out
+    assert "blend train of 3 datasets: 800 positions divided over 1 rank(s)" in out
     assert not (tmp_path / "c").exists()
 
 
@@ -45,6 +46,7 @@ def test_build_then_verify_then_detect_damage(config_file, tmp_path, capsys):
     assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "train: 800 samples from 3 dataset(s)" in out and "12 built, 0 reused" in out
+    assert "rank  predicted s  build wall s  build CPU s" in out and "\n   0  " in out
     assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress"]) == 0
     assert "0 built, 12 reused" in capsys.readouterr().out
     assert _run(["cache", "verify", str(cache)]) == 0

@@ -43,6 +43,10 @@ class BuildResult:
         """This process's rank in the build's group."""
         self.mode = mode
         """``exact`` or ``stateless``."""
+        self.rank_seconds: list[dict[str, float]] = []
+        """Per rank of the build: ``predicted_s`` (the plan's estimate of its work on one core),
+        ``wall_s`` and ``cpu_s`` (measured in the build phase; CPU of every thread and of the
+        shuffle workers)."""
         stores: dict[str, IndexedDataset] = {}
         self._items = {item.key: item for item in plan.items}
         self._splits: dict[str, BlendedSource] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -123,9 +124,13 @@ class _Build:
         if dry_run:
             return plan
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         records = self._build_items(plan)
         self._timed("build", start)
+        # every rank's predicted and measured work, for the manifest and the result
+        measured = {"rank": self.rank, "predicted_s": round(plan.seconds_per_rank()[self.rank], 6),
+                    "wall_s": self.timings["build_s"], "cpu_s": round(_cpu_seconds() - cpu, 6)}
+        self.rank_seconds = agree(self.group, None, phase="build", payload=measured)
 
         start = time.perf_counter()
         if not self.config.shared_fs:
@@ -148,6 +153,7 @@ class _Build:
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="open", item=None)
         agree(self.group, failure, phase="open")
+        result.rank_seconds = list(self.rank_seconds)
         self._timed("open", start)
         result.timings.update(self.timings)
         if self.rank == 0:
@@ -408,7 +414,7 @@ class _Build:
                            "num_tokens": i.num_tokens} for p, i in infos.items()},
             "splits": [{"name": s.name, "prefixes": list(s.prefixes), "dataset_keys": list(s.dataset_keys),
                         "blend_key": s.blend_key, "num_samples": s.num_samples} for s in plan.splits],
-            "items": entries, "timings_rank0": dict(self.timings),
+            "items": entries, "timings_rank0": dict(self.timings), "ranks": list(self.rank_seconds),
         }
         return self.cache.write_manifest(build_key, manifest)
 
@@ -464,6 +470,13 @@ class _BlendThread:
 
     def join(self) -> None:
         self._thread.join()
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process, every thread, plus its reaped children (shuffle workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _positions(item: WorkItem) -> int:

@@ -57,7 +57,7 @@ def run_build(args) -> int:
             print(format_plan(plan, done=cached))
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
-                  f"{len(plan.assignment)} to build on {plan.world_size} rank(s), "
+                  f"{len(plan.assignment) + len(plan.divided)} to build on {plan.world_size} rank(s), "
                   f"estimated {max(plan.seconds_per_rank(), default=0):.1f} s", file=sys.stderr)
 
     def on_progress(done: int, total: int) -> None:
@@ -82,6 +82,10 @@ def run_build(args) -> int:
           f"{len(result.plan.items) - built} reused; manifest {result.manifest_path}")
     timings = "  ".join(f"{k[:-2]} {v:.2f}s" for k, v in result.timings.items())
     print(f"timings (rank 0): {timings}")
+    if built:
+        print("rank  predicted s  build wall s  build CPU s")
+        for row in result.rank_seconds:
+            print(f"{row['rank']:>4}  {row['predicted_s']:>11.2f}  {row['wall_s']:>12.2f}  {row['cpu_s']:>11.2f}")
     return 0
 
 
