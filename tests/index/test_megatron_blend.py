@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 
 import numpy as np
 import pytest
@@ -228,8 +229,8 @@ def ranges_blend(greedy, size, bounds, threads=1):
     """What the ranks of a distributed build do, in one process: every range from its guessed
     start, then rounds of repair until consecutive ranges agree (settle_range, ranges_settled)."""
     outs = [(np.zeros(b - a, dtype=greedy.dataset_id_dtype), np.zeros(b - a, dtype=np.int64))
-            for a, b in zip(bounds[:-1], bounds[1:])]
-    runs = [greedy.fill(a, b, *outs[r], threads=threads) for r, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+            for a, b in itertools.pairwise(bounds)]
+    runs = [greedy.fill(a, b, *outs[r], threads=threads) for r, (a, b) in enumerate(itertools.pairwise(bounds))]
     rounds = 0
     while not mb.ranges_settled(runs):
         runs = [mb.settle_range(greedy, bounds, runs, r, *outs[r]) for r in range(len(runs))]
