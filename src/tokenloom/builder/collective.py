@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +60,28 @@ def failure_from(exc: BaseException, *, rank: int, phase: str, item: str | None)
     return Failure(rank=rank, phase=phase, item=item, error_type=type(exc).__name__, message=str(exc))
 
 
+@dataclass
+class Traffic:
+    """What one rank's collectives cost: calls, bytes it contributed, seconds inside them (which
+    include waiting for slower ranks)."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Traffic) -> Traffic:
+        return Traffic(self.calls + other.calls, self.bytes_sent + other.bytes_sent, self.seconds + other.seconds)
+
+
 class LocalGroup:
     """One process: every collective is the identity."""
 
     rank = 0
     world_size = 1
     timeout_s = float("inf")
+
+    def __init__(self) -> None:
+        self.traffic = Traffic()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -104,6 +122,8 @@ class TorchGroup:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._parent = group
+        self.traffic = Traffic()
+        """Calls, bytes this rank sent (pickled payloads; broadcasts it sourced) and seconds."""
 
     def sibling(self) -> TorchGroup:
         """Another gloo group over the same ranks (collective: every rank calls it), so two
@@ -111,20 +131,29 @@ class TorchGroup:
         return TorchGroup(self._parent, timeout_s=self.timeout_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        started = time.perf_counter()
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, group=self.group)
+        self._count(len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), started)
         return out
+
+    def _count(self, nbytes: int, started: float) -> None:
+        self.traffic.calls += 1
+        self.traffic.bytes_sent += nbytes
+        self.traffic.seconds += time.perf_counter() - started
 
     def broadcast_bytes(self, data: bytes | None, src: int, size: int) -> bytes:
         """``size`` bytes from group rank ``src`` to every rank (``data`` is read on ``src``)."""
         import numpy as np
         import torch
 
+        started = time.perf_counter()
         if self.rank == src:
             tensor = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
         else:
             tensor = torch.empty(size, dtype=torch.uint8)
         self._dist.broadcast(tensor, src=self.ranks[src], group=self.group)
+        self._count(size if self.rank == src else 0, started)
         return tensor.numpy().tobytes()
 
     def barrier(self) -> None:
@@ -210,5 +239,16 @@ def writers_by_node(keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], in
     return writers
 
 
-__all__ = ["CollectiveBuildError", "Failure", "LocalGroup", "TorchGroup", "agree", "failure_from", "gather", "node_key",
-           "open_group", "writers_by_node"]
+__all__ = [
+    "CollectiveBuildError",
+    "Failure",
+    "LocalGroup",
+    "TorchGroup",
+    "Traffic",
+    "agree",
+    "failure_from",
+    "gather",
+    "node_key",
+    "open_group",
+    "writers_by_node",
+]

@@ -43,6 +43,9 @@ class BuildResult:
         """This process's rank in the build's group."""
         self.mode = mode
         """``exact`` or ``stateless``."""
+        self.traffic = None
+        """This rank's collectives (a ``tokenloom.builder.collective.Traffic``: calls, bytes it
+        sent, seconds inside them) over the whole build."""
         self.rank_seconds: list[dict[str, float]] = []
         """Per rank of the build: ``predicted_s`` (the plan's estimate of its work on one core),
         ``wall_s`` and ``cpu_s`` (measured in the build phase; CPU of every thread and of the

@@ -154,6 +154,8 @@ class _Build:
             failure = failure_from(exc, rank=self.rank, phase="open", item=None)
         agree(self.group, failure, phase="open")
         result.rank_seconds = list(self.rank_seconds)
+        result.traffic = self.group.traffic.add(self.blend_group.traffic) if self.blend_group is not self.group \
+            else self.group.traffic
         self._timed("open", start)
         result.timings.update(self.timings)
         if self.rank == 0:
