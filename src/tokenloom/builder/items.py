@@ -246,10 +246,7 @@ def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem],
 
 
 def _identifiers_of(item: WorkItem):
-    import json
-    from collections import OrderedDict
-
-    return json.loads(item.megatron.description, object_pairs_hook=OrderedDict)
+    return item.megatron.identifiers
 
 
 def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[list[WorkItem], list[SplitPlan]]:

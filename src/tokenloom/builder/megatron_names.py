@@ -13,6 +13,7 @@ reuses a stale cache when they change. tokenloom's own keys (:mod:`tokenloom.sou
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import OrderedDict
@@ -34,12 +35,18 @@ BLEND_FILES = {"dataset_index": "dataset_index.npy", "dataset_sample_index": "da
 class MegatronName:
     """Where megatron-core looks for one cached index."""
 
-    description: str
-    """The description text megatron-core writes beside the arrays and hashes."""
+    identifiers: Mapping[str, Any]
+    """What megatron-core describes the index by, in its order (an OrderedDict)."""
     class_name: str
     """``GPTDataset`` or ``BlendedDataset``."""
     split: str
     """``train``, ``valid`` or ``test``."""
+
+    @functools.cached_property
+    def description(self) -> str:
+        """The description text megatron-core writes beside the arrays and hashes (made on first
+        use: a plan of thousands of items needs none of them unless it writes megatron's cache)."""
+        return json.dumps(self.identifiers, indent=4)
 
     @property
     def md5(self) -> str:
@@ -80,8 +87,7 @@ def gpt_identifiers(*, dataset_path: str, num_samples: int | None, split: str, r
 
 
 def gpt_name(identifiers: Mapping[str, Any]) -> MegatronName:
-    return MegatronName(description=json.dumps(identifiers, indent=4), class_name=GPT_CLASS,
-                        split=identifiers["index_split"])
+    return MegatronName(identifiers=identifiers, class_name=GPT_CLASS, split=identifiers["index_split"])
 
 
 def blend_name(*, datasets: list[Mapping[str, Any]], split: str, weights: list,
@@ -93,8 +99,7 @@ def blend_name(*, datasets: list[Mapping[str, Any]], split: str, weights: list,
     identifiers["split"] = split
     identifiers["weights"] = list(weights)
     identifiers["size"] = size
-    return MegatronName(description=json.dumps(identifiers, indent=4), class_name=BLEND_CLASS,
-                        split=split)
+    return MegatronName(identifiers=identifiers, class_name=BLEND_CLASS, split=split)
 
 
 __all__ = [

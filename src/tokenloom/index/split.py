@@ -11,6 +11,7 @@ fails late (four numbers, all zeros, ``"1..2"``), :func:`parse_split` raises Con
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from typing import NamedTuple
@@ -68,6 +69,11 @@ def parse_split(split: str) -> SplitFractions:
     """
     if not isinstance(split, str):
         raise ConfigError(f"split={split!r}; expected a string of up to three weights like '969,30,1'")
+    return _parse_split(split)
+
+
+@functools.lru_cache(maxsize=256)  # a plan asks once per store and split: parse each string once
+def _parse_split(split: str) -> SplitFractions:
     pieces = _NUMBER.findall(split)
     leftover = _NUMBER.sub("", split)
     if not _SEPARATORS.fullmatch(leftover):
@@ -96,7 +102,11 @@ def parse_split(split: str) -> SplitFractions:
 
 def split_bookends(split: str) -> SplitBookends:
     """The ``(begin, end)`` fractions of each split (megatron-core's split matrix)."""
-    fractions = parse_split(split)
+    return _split_bookends(parse_split(split))
+
+
+@functools.lru_cache(maxsize=256)
+def _split_bookends(fractions: SplitFractions) -> SplitBookends:
     cumulative: list[float] = [0]  # int 0 first, then float sums, in megatron-core's order
     for fraction in fractions:
         cumulative.append(cumulative[-1] + fraction)

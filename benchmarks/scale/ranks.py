@@ -1,0 +1,239 @@
+"""How a build's work divides over 1, 2, 4, 8 and 16 ranks, measured per rank.
+
+A machine with fewer cores than ranks cannot show the wall time of a build on N free cores, but
+it can show how the work divides: every rank of an oversubscribed run records the CPU seconds of
+its own ``build()`` call (user + system of every thread, plus reaped shuffle workers; the
+interpreter's start and imports are not part of it, as a training job has paid them already),
+the bytes it read and wrote, what it sent over the build's groups, and its peak RSS during the
+call. On N free cores the wall time is about the largest rank's CPU seconds plus the cost of the
+collectives themselves (measured separately here: ``collective_costs``).
+
+    python benchmarks/scale/ranks.py --corpus /tmp/tl_corpus_build --work /tmp/tl_scale --ranks 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_build's corpus config
+
+
+def _io() -> dict[str, int]:
+    """This process's I/O counters: rchar/wchar (bytes through read/write calls, page cache
+    included) and read_bytes/write_bytes (bytes the storage layer fetched and was sent)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            name, value = line.split(":")
+            out[name] = int(value)
+    return out
+
+
+def _cpu() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(args) -> dict:
+    """One rank: join the group, then measure the build call alone."""
+    from datetime import timedelta
+
+    config = json.loads(args.config)
+    config.update(cache_dir=args.cache, mode=args.mode, timeout_s=3600.0)
+    if args.world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                                world_size=args.world, timeout=timedelta(seconds=3600))
+    import tokenloom
+    from tokenloom.index.kernels import import_numba, numba_available
+
+    if numba_available():
+        import_numba()  # an import: paid by the job before it builds
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS to the current RSS: the peak below is the build call's
+    rss_before = _peak_rss()
+    io0, cpu0, wall0 = _io(), _cpu(), time.perf_counter()
+    result = tokenloom.build(config)
+    wall, cpu, io1 = time.perf_counter() - wall0, _cpu() - cpu0, _io()
+    traffic = result.traffic
+    out = {"rank": args.rank, "world": args.world, "mode": args.mode, "wall_s": wall, "cpu_s": cpu,
+           "peak_rss": _peak_rss(), "rss_before": rss_before,
+           "rchar": io1["rchar"] - io0["rchar"], "wchar": io1["wchar"] - io0["wchar"],
+           "read_bytes": io1["read_bytes"] - io0["read_bytes"], "write_bytes": io1["write_bytes"] - io0["write_bytes"],
+           "calls": traffic.calls, "bytes_sent": traffic.bytes_sent, "collective_s": traffic.seconds,
+           "predicted_s": result.rank_seconds[args.rank]["predicted_s"], "timings": result.timings,
+           "built": len(result.built_keys), "manifest": result.manifest_path}
+    if args.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, config: dict, cache: str, mode: str) -> list[dict]:
+    """``world`` rank processes on 127.0.0.1, each printing its measurement as a JSON line."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_child", "--config", json.dumps(config),
+                               "--cache", cache, "--mode", mode, "--rank", str(rank), "--world", str(world),
+                               "--port", str(port)], stdout=subprocess.PIPE)
+             for rank in range(world)]
+    outs = []
+    for proc in procs:
+        stdout, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"a rank of the {world}-rank {mode} build failed with status {proc.returncode}")
+        outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    return outs
+
+
+def collective_costs(world: int) -> dict:
+    """Latency of a small all-gather and bandwidth of a 64 MiB broadcast over gloo on 127.0.0.1
+    with ``world`` idle ranks (the cost of the build's collectives, apart from waiting)."""
+    if world == 1:
+        return {"gather_s": 0.0, "broadcast_bytes_per_s": float("inf")}
+    code = r'''
+import sys, time, json
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=600))
+out = [None] * world
+for _ in range(5):
+    dist.all_gather_object(out, {"counts": list(range(1000))})
+best = float("inf")
+for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(20):
+        dist.all_gather_object(out, {"counts": list(range(1000))})
+    best = min(best, (time.perf_counter() - t) / 20)
+data = torch.zeros(64 << 20, dtype=torch.uint8)
+dist.broadcast(data, src=0)
+t = time.perf_counter(); dist.broadcast(data, src=0); seconds = time.perf_counter() - t
+if rank == 0:
+    print(json.dumps({"gather_s": best, "broadcast_bytes_per_s": (64 << 20) / seconds}))
+dist.destroy_process_group()
+'''
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port)], stdout=subprocess.PIPE)
+             for r in range(world)]
+    outs = [p.communicate()[0].decode() for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def summarize(outs: list[dict], one_rank_cpu: float, costs: dict) -> dict:
+    cpus = [o["cpu_s"] for o in outs]
+    largest = max(range(len(outs)), key=lambda r: cpus[r])
+    calls = max(o["calls"] for o in outs)
+    sent = max(o["bytes_sent"] for o in outs)
+    own_collectives = calls * costs["gather_s"] + sent / costs["broadcast_bytes_per_s"]
+    return {
+        "ranks": len(outs), "largest_cpu_s": cpus[largest], "largest_rank": largest,
+        "mean_cpu_s": sum(cpus) / len(cpus), "total_cpu_s": sum(cpus),
+        "total_vs_one": sum(cpus) / one_rank_cpu if one_rank_cpu else float("nan"),
+        "largest_vs_one": cpus[largest] / one_rank_cpu if one_rank_cpu else float("nan"),
+        "predicted_largest_s": max(o["predicted_s"] for o in outs),
+        "oversubscribed_wall_s": max(o["wall_s"] for o in outs),
+        "peak_rss": max(o["peak_rss"] for o in outs),
+        "rchar": max(o["rchar"] for o in outs), "wchar": max(o["wchar"] for o in outs),
+        "write_bytes": max(o["write_bytes"] for o in outs),
+        "calls": calls, "bytes_sent": sent, "collectives_own_s": own_collectives,
+        "estimated_wall_s": cpus[largest] + own_collectives,
+        "phases_rank0": outs[0]["timings"],
+    }
+
+
+def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact", "stateless"),
+                seq_length: int = 2048, epochs: float = 1.5, split: str = "969,30,1") -> dict:
+    """Every (mode, ranks) build from an empty cache; returns the summaries and raw rank rows."""
+    from bench_build import bench_config
+
+    config = bench_config(corpus, seq_length, epochs, split)
+    for key in ("num_tokens", "num_documents"):
+        config.pop(key)
+    out: dict = {"config": {k: config[k] for k in ("split", "seq_length", "train_samples", "valid_samples",
+                                                     "test_samples")}, "rows": [], "raw": []}
+    costs = {n: collective_costs(n) for n in ranks}
+    out["collective_costs"] = costs
+    for mode in modes:
+        one_rank_cpu = None
+        for n in ranks:
+            cache = os.path.join(work, f"{mode}-{n}")
+            subprocess.run(["rm", "-rf", cache], check=True)
+            outs = launch(n, config, cache, mode)
+            if one_rank_cpu is None:
+                one_rank_cpu = outs[0]["cpu_s"] if n == 1 else float("nan")
+            row = summarize(outs, one_rank_cpu, costs[n])
+            row["mode"] = mode
+            out["rows"].append(row)
+            out["raw"].append(outs)
+            print(f"{mode:9} {n:>3} ranks: largest rank {row['largest_cpu_s']:.2f} CPU-s (rank {row['largest_rank']}), "
+                  f"mean {row['mean_cpu_s']:.2f}, total {row['total_cpu_s']:.2f} ({row['total_vs_one']:.2f}x one rank), "
+                  f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = ["| mode | ranks | largest rank CPU s | mean CPU s | total CPU s | total / 1 rank | largest / 1-rank total "
+             "| predicted largest s | collectives: calls, MiB sent | est. wall on free cores s | peak RSS GiB "
+             "| MiB written (largest rank) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['mode']} | {r['ranks']} | {r['largest_cpu_s']:.2f} | {r['mean_cpu_s']:.2f} | "
+                     f"{r['total_cpu_s']:.2f} | {r['total_vs_one']:.2f}x | {r['largest_vs_one']:.3f} | "
+                     f"{r['predicted_largest_s']:.2f} | {r['calls']}, {r['bytes_sent'] / 2**20:.1f} | "
+                     f"{r['estimated_wall_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | {r['wchar'] / 2**20:,.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", help="directory written by make_corpus.py")
+    parser.add_argument("--work", default="/tmp/tl_scale")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--modes", nargs="+", default=["exact", "stateless"])
+    parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._child:
+        print(json.dumps(child(args)))
+        return
+    result = ranks_table(args.corpus, args.work, ranks=tuple(args.ranks), modes=tuple(args.modes))
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
