@@ -192,8 +192,9 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
             out["rows"].append(row)
             out["raw"].append(outs)
             print(f"{mode:9} {n:>3} ranks: largest rank {row['largest_cpu_s']:.2f} CPU-s (rank {row['largest_rank']}), "
-                  f"mean {row['mean_cpu_s']:.2f}, total {row['total_cpu_s']:.2f} ({row['total_vs_one']:.2f}x one rank), "
-                  f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+                  f"mean {row['mean_cpu_s']:.2f}, total {row['total_cpu_s']:.2f} "
+                  f"({row['total_vs_one']:.2f}x one rank), peak RSS {row['peak_rss'] / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
     return out
 
 

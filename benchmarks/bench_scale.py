@@ -1,0 +1,102 @@
+"""Cluster scale, measured: every table of issue 12 from one command.
+
+    python benchmarks/make_corpus.py --out /tmp/tl_corpus_build --stores 1000 --tokens 1e11 --documents 1e8
+    flock /tmp/tokenloom-bench.lock python benchmarks/bench_scale.py --corpus /tmp/tl_corpus_build \\
+        --work /tmp/tl_scale --json /tmp/tl_scale.json
+
+1. megatron-core's cold build of the corpus (its builder, one process: its wall time is the peer);
+2. the division of tokenloom's build over 1, 2, 4, 8, 16 ranks, exact and stateless, per rank
+   (``scale/ranks.py``: CPU seconds of the build call, bytes, collectives, peak RSS);
+3. the projection to 5e12 tokens x 1000 datasets x 1024 ranks and to 10,000 datasets
+   (``scale/projection.py``, formula in its docstring);
+4. warm start at 10,000 stores against megatron-core's warm load (``scale/warm.py``);
+5. first use: compile and cache costs (``scale/first_use.py``).
+
+``--skip`` leaves sections out (``--skip warm first_use``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_build import bench_config, run_children  # noqa: E402
+from scale.projection import format_projection, project  # noqa: E402
+from scale.ranks import format_table, ranks_table  # noqa: E402
+
+
+def megatron_cold(corpus: str, work: str) -> dict:
+    config = bench_config(corpus, 2048, 1.5, "969,30,1")
+    cache = os.path.join(work, "megatron")
+    os.system(f"rm -rf {cache}")
+    out = run_children("megatron", config, cache)[0]
+    return {"seconds": out["seconds"], "blend_seconds": out["blend_seconds"], "peak": out["peak"]}
+
+
+def largest_item_seconds(manifest_path: str) -> float:
+    """Compute seconds of the costliest dataset index of a one-rank build (it cannot be divided)."""
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    return max((entry["seconds"] for entry in manifest["items"] if entry["kind"] == "gpt"), default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", required=True, help="directory written by make_corpus.py (1000 stores x 1e11)")
+    parser.add_argument("--work", default="/tmp/tl_scale")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["megatron", "ranks", "warm", "first_use"])
+    parser.add_argument("--json", help="write every measurement here")
+    args = parser.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    with open(os.path.join(args.corpus, "corpus.json")) as f:
+        corpus = json.load(f)
+    report: dict = {"corpus": {"stores": len(corpus["stores"]), "tokens": corpus["num_tokens"],
+                               "documents": corpus["num_documents"]}, "cores": os.cpu_count()}
+
+    if "megatron" not in args.skip:
+        report["megatron"] = megatron_cold(args.corpus, args.work)
+        print(f"megatron-core cold build: {report['megatron']['seconds']:.1f} s wall", file=sys.stderr)
+    if "ranks" not in args.skip:
+        result = ranks_table(args.corpus, os.path.join(args.work, "ranks"), ranks=tuple(args.ranks))
+        report["ranks"] = result
+        print("\n## Work per rank (CPU seconds of the build call; oversubscribed on "
+              f"{os.cpu_count()} cores)\n\n" + format_table(result))
+        megatron_s = report.get("megatron", {}).get("seconds")
+        if megatron_s:
+            print("\n| mode | ranks | megatron-core wall s / largest rank CPU s |\n|---|---:|---:|")
+            for row in result["rows"]:
+                print(f"| {row['mode']} | {row['ranks']} | {megatron_s / row['largest_cpu_s']:.1f}x |")
+        one_rank = next((outs for outs in result["raw"] if outs[0]["world"] == 1 and outs[0]["mode"] == "exact"), None)
+        item_s = largest_item_seconds(one_rank[0]["manifest"]) if one_rank else 0.0
+        projections = [project(result["rows"], mode=mode, corpus_tokens=corpus["num_tokens"],
+                               corpus_datasets=len(corpus["stores"]), tokens=5e12, datasets=datasets, ranks=1024,
+                               largest_item_s=item_s if mode == "exact" else 0.0)
+                       for mode in ("exact", "stateless") for datasets in (1000, 10_000)]
+        report["projection"] = projections
+        print("\n## Projection (formula: benchmarks/scale/projection.py)\n\n" + format_projection(projections))
+    for section in ("warm", "first_use"):
+        if section in args.skip:
+            continue
+        try:
+            module = importlib.import_module(f"scale.{section}")
+        except ImportError:
+            print(f"(section {section}: benchmarks/scale/{section}.py is not here)", file=sys.stderr)
+            continue
+        table = getattr(module, f"{section}_table" if section == "first_use" else "warm_start_table")
+        report[section] = table(os.path.join(args.work, section))
+        print(f"\n## {section}\n\n" + (module.format_table(report[section]) if hasattr(module, "format_table")
+                                      else json.dumps(report[section], indent=1)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""From measured per-rank work to a cluster-scale critical path (issue 12's projection).
+
+The ranks table (``ranks.py``) measures, for N = 1, 2, 4, 8, 16 ranks, each rank's CPU seconds
+of the build call on the benchmark corpus. The largest rank's CPU fits
+
+    cpu_largest(N) = a + b / N                                         (1)
+
+where ``a`` is the work every rank repeats whatever N is (opening its share of the stores and
+hashing them is divided; planning, opening the result, the collectives and loading the compiled
+kernels are not) and ``b`` the work that divides (dataset indices, the blends, writing and
+hashing the arrays). ``a`` and ``b`` come from a least-squares fit of (1) to the measured points.
+
+At a target scale of ``tokens`` tokens over ``datasets`` datasets, every divisible part of the
+exact build grows with the tokens (document positions, blend samples, array bytes) at a fixed
+number of datasets, so
+
+    critical_path(R) = a(datasets) + b * (tokens / corpus_tokens) / R      (2)
+
+with ``a(datasets) = a * datasets / corpus_datasets`` when planning and opening grow with the
+datasets (an upper bound: the fingerprints part of ``a`` divides over ranks), plus the largest
+single item that cannot be divided (one store's dataset index: ``positions of the largest store
+x seconds per position``), which (2) assumes is below ``b * scale / R``; the function checks it.
+"""
+
+from __future__ import annotations
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``y = a + b / n`` through ``(n, y)`` points."""
+    xs = [1.0 / n for n, _ in points]
+    ys = [y for _, y in points]
+    k = len(points)
+    mean_x, mean_y = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if sxx == 0:
+        return ys[0], 0.0
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    return mean_y - b * mean_x, b
+
+
+def project(rows: list[dict], *, mode: str, corpus_tokens: float, corpus_datasets: int, tokens: float,
+            datasets: int, ranks: int, largest_item_s: float = 0.0) -> dict:
+    """Critical path at ``tokens`` x ``datasets`` on ``ranks`` ranks from the rows of ``mode``."""
+    points = [(r["ranks"], r["largest_cpu_s"]) for r in rows if r["mode"] == mode]
+    a, b = fit(points)
+    scale = tokens / corpus_tokens
+    fixed = a * max(1.0, datasets / corpus_datasets)
+    divided = b * scale / ranks
+    item = largest_item_s * scale
+    return {"mode": mode, "a_s": a, "b_s": b, "tokens": tokens, "datasets": datasets, "ranks": ranks,
+            "fixed_s": fixed, "divided_s": divided, "largest_item_s": item,
+            "critical_path_s": fixed + max(divided, item), "points": points}
+
+
+def format_projection(projections: list[dict]) -> str:
+    lines = ["| mode | tokens | datasets | ranks | fit: a (per rank) s | fit: b (divisible) s | a(datasets) s "
+             "| b x scale / ranks s | largest item s | critical path s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in projections:
+        lines.append(f"| {p['mode']} | {p['tokens']:.0e} | {p['datasets']:,} | {p['ranks']:,} | {p['a_s']:.2f} | "
+                     f"{p['b_s']:.1f} | {p['fixed_s']:.2f} | {p['divided_s']:.2f} | {p['largest_item_s']:.2f} | "
+                     f"{p['critical_path_s']:.1f} |")
+    return "\n".join(lines)
+
+
+__all__ = ["fit", "format_projection", "project"]
