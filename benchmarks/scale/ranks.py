@@ -5,8 +5,11 @@ it can show how the work divides: every rank of an oversubscribed run records th
 its own ``build()`` call (user + system of every thread, plus reaped shuffle workers; the
 interpreter's start and imports are not part of it, as a training job has paid them already),
 the bytes it read and wrote, what it sent over the build's groups, and its peak RSS during the
-call. On N free cores the wall time is about the largest rank's CPU seconds plus the cost of the
-collectives themselves (measured separately here: ``collective_costs``).
+call. numba is imported and its compiler set up (one trivial kernel) before the call, as in a
+process that used numba before; the build's own kernels load from numba's disk cache inside the
+call (scale/first_use.py measures those costs). On N free cores the wall time is about the
+largest rank's CPU seconds plus the cost of the collectives themselves (measured separately
+here: ``collective_costs``, an upper bound on an oversubscribed machine).
 
     python benchmarks/scale/ranks.py --corpus /tmp/tl_corpus_build --work /tmp/tl_scale --ranks 1 2 4 8 16
 """
@@ -65,13 +68,22 @@ def child(args) -> dict:
     import tokenloom
     from tokenloom.index.kernels import import_numba, numba_available
 
-    if numba_available():
-        import_numba()  # an import: paid by the job before it builds
+    if numba_available():  # paid once per process, before the build, by any job that uses numba
+        numba = import_numba()
+        numba.njit(lambda x: x + 1)(1)  # numba's compiler and type registries, set up on first use
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS to the current RSS: the peak below is the build call's
     rss_before = _peak_rss()
     io0, cpu0, wall0 = _io(), _cpu(), time.perf_counter()
-    result = tokenloom.build(config)
+    profile = os.environ.get("TOKENLOOM_PROFILE_RANK0") if args.rank == 0 else None
+    if profile:  # cProfile of rank 0's build call, to see where a rank's fixed work goes
+        import cProfile
+
+        profiler = cProfile.Profile()
+        result = profiler.runcall(tokenloom.build, config)
+        profiler.dump_stats(profile)
+    else:
+        result = tokenloom.build(config)
     wall, cpu, io1 = time.perf_counter() - wall0, _cpu() - cpu0, _io()
     traffic = result.traffic
     out = {"rank": args.rank, "world": args.world, "mode": args.mode, "wall_s": wall, "cpu_s": cpu,

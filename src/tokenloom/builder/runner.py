@@ -108,9 +108,15 @@ class _Build:
         self.timings: dict[str, float] = {}
 
     def _timed(self, phase: str, start: float) -> None:
+        """Record the phase's wall seconds (``<phase>_s``) and this process's CPU seconds in it,
+        every thread (``<phase>_cpu_s``), since the last call."""
         self.timings[f"{phase}_s"] = round(time.perf_counter() - start, 6)
+        cpu = time.process_time()
+        self.timings[f"{phase}_cpu_s"] = round(cpu - self._cpu_mark, 6)
+        self._cpu_mark = cpu
 
     def run(self, dry_run: bool):
+        self._cpu_mark = time.process_time()
         start = time.perf_counter()
         infos = self._fingerprint()
         self._timed("fingerprint", start)

@@ -80,7 +80,7 @@ def run_build(args) -> int:
     built = len(result.built_keys)
     print(f"build {result.build_key}: {len(result.plan.items)} items, {built} built, "
           f"{len(result.plan.items) - built} reused; manifest {result.manifest_path}")
-    timings = "  ".join(f"{k[:-2]} {v:.2f}s" for k, v in result.timings.items())
+    timings = "  ".join(f"{k[:-2]} {v:.2f}s" for k, v in result.timings.items() if not k.endswith("_cpu_s"))
     print(f"timings (rank 0): {timings}")
     if built:
         print("rank  predicted s  build wall s  build CPU s")
