@@ -38,9 +38,9 @@ def test_auto_prefers_numba_then_the_fallback():
     assert resolve_backend("numpy", ("numpy", "numba"), fallback="numpy") == "numpy"
 
 
-def test_unknown_backend_names_the_choices_and_the_extra():
+def test_unknown_backend_names_the_choices_and_how_to_get_numba():
     with pytest.raises(ConfigError, match=r"backend='gpu' is not available; expected one of \['auto', 'numpy'\] "
-                                          r"\(install tokenloom\[fast\] for numba\)"):
+                                          r"\(numba is not installed: pip install numba\)"):
         resolve_backend("gpu", ("numpy",), fallback="numpy")
     with pytest.raises(ConfigError, match=r"kernel='gpu' is not available; expected one of \['auto', 'numpy', "
                                           r"'numba'\]$"):

@@ -31,7 +31,7 @@ seed, the purpose, the epoch and the size (see :func:`derive_round_keys`), so a
 permutation is reproducible across platforms and numpy versions from FORMAT.md.
 
 Two backends compute bit-identical results: ``"numpy"`` (vectorised uint64
-arithmetic, chunked) and ``"numba"`` (compiled loops, the ``[fast]`` extra, compiled on
+arithmetic, chunked; where numba is not installed) and ``"numba"`` (compiled loops, compiled on
 first use by :mod:`tokenloom.index.kernels`).
 """
 

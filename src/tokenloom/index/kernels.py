@@ -1,8 +1,9 @@
 """The one place that knows numba: is it installed, which backend runs, and compiling on first use.
 
-numba is the optional ``[fast]`` extra, and importing it takes 0.3 to 2 seconds, so nothing under
-``tokenloom`` imports it at import time. :func:`numba_available` asks the import system whether
-it is installed without importing it; :func:`compiled` imports it when a kernel first runs.
+numba comes with tokenloom (a dependency; the numpy/python backends serve platforms without it),
+and importing it takes 0.3 to 2 seconds, so nothing under ``tokenloom`` imports it at import time.
+:func:`numba_available` asks the import system whether it is installed without importing it;
+:func:`compiled` imports it when a kernel first runs.
 
 A kernel is a plain Python function marked with :func:`jit` (the numba options it compiles
 with), and that function stays the single source: a ``"python"`` backend runs it as it is, and
@@ -42,15 +43,16 @@ _LOCK = threading.Lock()
 
 @functools.cache
 def numba_available() -> bool:
-    """Whether numba is installed (the ``[fast]`` extra); looked up once, without importing it."""
+    """Whether numba is installed (a dependency of tokenloom; absent on platforms without it);
+    looked up once, without importing it."""
     return importlib.util.find_spec("numba") is not None
 
 
 def import_numba() -> types.ModuleType:
     """The numba module, imported on the first call (it takes 0.3 to 2 seconds)."""
     if not numba_available():
-        raise ConfigError("a compiled kernel was asked for, but numba is not installed; expected the "
-                          "tokenloom[fast] extra (pip install 'tokenloom[fast]'), or pick a numpy/python backend")
+        raise ConfigError("a compiled kernel was asked for, but numba is not installed; expected numba, "
+                          "which tokenloom depends on (pip install numba), or pick a numpy/python backend")
     import numba
 
     return numba
@@ -67,7 +69,7 @@ def resolve_backend(requested: str, available: Iterable[str], *, fallback: str, 
         return "numba" if "numba" in names else fallback
     if requested not in names:
         raise ConfigError(f"{what}={requested!r} is not available; expected one of {['auto', *names]}"
-                          + ("" if "numba" in names else " (install tokenloom[fast] for numba)"))
+                          + ("" if "numba" in names else " (numba is not installed: pip install numba)"))
     return requested
 
 
