@@ -166,13 +166,18 @@ def _compile_module(module_globals: dict[str, Any], numba: types.ModuleType) -> 
         namespace[name] = _DISPATCHERS[value] = _njit(numba, copy, _OPTIONS[value])
 
 
+def _source(module_globals: dict[str, Any]) -> str:
+    """A module's file (its name where it has none)."""
+    return module_globals.get("__file__") or module_globals["__name__"]
+
+
 def _sources(module_globals: dict[str, Any]) -> frozenset[str]:
     """The files a module's compiled kernels are made of: its own and, transitively, those of
     the kernels it imported."""
     name = module_globals["__name__"]
     if name not in _SOURCES:
         _SOURCES[name] = frozenset()  # a cycle of kernel imports ends here
-        found = {module_globals.get("__file__") or name}
+        found = {_source(module_globals)}
         for value in list(module_globals.values()):
             if (isinstance(value, types.FunctionType) and value in _OPTIONS
                     and value.__globals__ is not module_globals):
@@ -183,7 +188,7 @@ def _sources(module_globals: dict[str, Any]) -> frozenset[str]:
 
 def _dependency_tag(module_globals: dict[str, Any]) -> str:
     """``""``, or ``"__deps_"`` and a hash of the other files a module's kernels are made of."""
-    foreign = sorted(_sources(module_globals) - {module_globals.get("__file__") or module_globals["__name__"]})
+    foreign = sorted(_sources(module_globals) - {_source(module_globals)})
     if not foreign:
         return ""
     digest = hashlib.sha256()
@@ -209,7 +214,7 @@ def _njit(numba: types.ModuleType, function: types.FunctionType, options: dict[s
 
 @functools.cache
 def _warn_no_cache_dir() -> None:
-    logger.warning(
-        "numba found no writable cache directory for tokenloom's kernels in %s (neither their "
-        "__pycache__ nor the user-wide cache): they compile in memory, once per process; set NUMBA_CACHE_DIR to "
-        "a writable directory to keep them between processes", os.path.dirname(os.path.dirname(__file__)))
+    logger.warning("numba found no writable cache directory for tokenloom's kernels in %s (neither their "
+                   "__pycache__ nor the user-wide cache): they compile in memory, once per process; set "
+                   "NUMBA_CACHE_DIR to a writable directory to keep them between processes",
+                   os.path.dirname(os.path.dirname(__file__)))
