@@ -4,6 +4,7 @@ and ``import tokenloom...`` never pulls in a heavy dependency."""
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -103,3 +104,34 @@ def test_importing_loads_no_heavy_dependency(module):
             "if m in sys.modules); print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {module} imported {out}"
+
+
+#: Imports every module named on its command line, then the torch adapter (torch's side of serving,
+#: the one module that imports its framework at the top) where torch is installed; prints, per
+#: module, the heavy dependencies its import loaded, and which are loaded at the end.
+IMPORT_EVERY_MODULE = r"""
+import importlib, importlib.util, json, sys
+heavy = ("torch", "jax", "numba", "llvmlite", "tokenizers", "pyarrow")
+loaded = {}
+for name in sys.argv[1:]:
+    before = {m for m in heavy if m in sys.modules}
+    importlib.import_module(name)
+    loaded[name] = sorted(m for m in heavy if m in sys.modules and m not in before)
+if importlib.util.find_spec("torch") is not None:
+    importlib.import_module("tokenloom.serve.torch_adapter")
+print(json.dumps({"loaded": {k: v for k, v in loaded.items() if v},
+                  "at_end": sorted(m for m in heavy if m in sys.modules)}))
+"""
+
+
+def test_importing_every_module_imports_no_numba_and_compiles_nothing():
+    """Importing any module, not only the packages, leaves numba unloaded (so no kernel can have
+    compiled); the two ``__main__`` modules are left out, as they run the command line."""
+    names = sorted(".".join(("tokenloom", *path.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+                   for path in MODULES if path.stem != "__main__")
+    names.remove("tokenloom.serve.torch_adapter")
+    done = subprocess.run([sys.executable, "-c", IMPORT_EVERY_MODULE, *names], capture_output=True, text=True,
+                          timeout=300, check=True)
+    out = json.loads(done.stdout)
+    assert out["loaded"] == {}, out
+    assert "numba" not in out["at_end"] and "llvmlite" not in out["at_end"], out

@@ -1,7 +1,9 @@
 """The one kernel module: backends are picked one way, numba loads on first use, never at import."""
 
+import importlib
 import os
 import pathlib
+import pkgutil
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import pytest
 
 import tokenloom
 from tokenloom.errors import ConfigError
-from tokenloom.index import Blend, FeistelPermutation, _stateless_kernels, feistel, megatron_blend
+from tokenloom.index import Blend, FeistelPermutation, _stateless_kernels, feistel, kernels, megatron_blend
 from tokenloom.index.kernels import compiled, compiled_on_call, jit, prange, resolve_backend
 
 
@@ -38,9 +40,9 @@ def test_auto_prefers_numba_then_the_fallback():
     assert resolve_backend("numpy", ("numpy", "numba"), fallback="numpy") == "numpy"
 
 
-def test_unknown_backend_names_the_choices_and_the_extra():
+def test_unknown_backend_names_the_choices_and_how_to_get_numba():
     with pytest.raises(ConfigError, match=r"backend='gpu' is not available; expected one of \['auto', 'numpy'\] "
-                                          r"\(install tokenloom\[fast\] for numba\)"):
+                                          r"\(numba is not installed: pip install numba\)"):
         resolve_backend("gpu", ("numpy",), fallback="numpy")
     with pytest.raises(ConfigError, match=r"kernel='gpu' is not available; expected one of \['auto', 'numpy', "
                                           r"'numba'\]$"):
@@ -89,6 +91,23 @@ def test_kernels_imported_from_another_module_are_bound_to_their_own_dispatchers
     assert namespace["permute_into"] is compiled(feistel.permute_into)
     # the Feistel kernels' own namespace: permute_into calls the compiled network
     assert compiled(feistel.permute_into).py_func.__globals__["_network_batch"] is compiled(feistel._network_batch)
+
+
+def test_every_kernel_of_tokenloom_is_cached_on_disk():
+    for module in pkgutil.walk_packages(tokenloom.__path__, "tokenloom."):
+        if not module.name.endswith("__main__") and module.name != "tokenloom.serve.torch_adapter":
+            importlib.import_module(module.name)
+    ours = {k: options for k, options in kernels._OPTIONS.items() if k.__module__.startswith("tokenloom.")}
+    assert len(ours) > 30
+    assert [f"{k.__module__}.{k.__name__}" for k, options in ours.items() if options.get("cache") is not True] == []
+
+
+def test_kernels_compiled_with_another_files_kernels_are_cached_under_a_name_that_follows_that_file():
+    pytest.importorskip("numba")
+    spans = compiled(_stateless_kernels._spans_numba).py_func.__qualname__
+    assert spans.startswith("_spans_numba__deps_") and len(spans) == len("_spans_numba__deps_") + 16
+    assert compiled(_stateless_kernels._is_consecutive_numba).py_func.__qualname__.endswith(spans[-23:])
+    assert compiled(feistel._permute_numba).py_func.__qualname__ == "_permute_numba"  # only its own file
 
 
 def test_compiled_on_call_compiles_on_the_first_call():

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
+from tokenloom.index import randomstate_shuffle
 from tokenloom.index.randomstate_shuffle import (
     fast_shuffle,
     interval_draws,
@@ -82,3 +83,20 @@ def test_other_bit_generators_and_dtypes_use_randomstate_itself():
     np.random.RandomState(9).shuffle(expected_words)
     fast_shuffle(np.random.RandomState(9), words)
     np.testing.assert_array_equal(words, expected_words)
+
+
+def test_small_arrays_keep_randomstates_own_shuffle_by_default(monkeypatch):
+    """Below SMALL_SHUFFLE elements the default takes RandomState's shuffle (as fast there, and no
+    numba start-up); from it on, the kernel; the arrays are the same either way."""
+    calls = []
+
+    def kernel(random_state, array):
+        calls.append(array.size)
+        fast_shuffle(random_state, array)
+
+    monkeypatch.setattr(randomstate_shuffle, "fast_shuffle", kernel)
+    monkeypatch.setattr(randomstate_shuffle, "SMALL_SHUFFLE", 1000)
+    shuffle_like_randomstate(np.random.RandomState(1), np.arange(999))
+    assert calls == []
+    shuffle_like_randomstate(np.random.RandomState(1), np.arange(1000))
+    assert calls == [1000]

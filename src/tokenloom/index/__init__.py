@@ -7,8 +7,8 @@ Two modes share one sample semantics (:mod:`tokenloom.index.packing`):
 * stateless: :func:`build_stateless_gpt_index` and :class:`Blend` answer "which tokens form
   sample i" in O(1)-ish time with no per-sample array.
 
-numba (the ``[fast]`` extra) speeds up the sequential kernels; without it every function
-returns the same arrays, more slowly. :mod:`tokenloom.index.kernels` is the one module that knows
+numba (a dependency of tokenloom) speeds up the sequential kernels; on a platform without it
+every function returns the same arrays, more slowly. :mod:`tokenloom.index.kernels` is the one module that knows
 numba: it picks backends and compiles a kernel on first use, so importing this package never
 imports numba.
 """

@@ -22,13 +22,13 @@ _ONE = np.uint32(1)
 _ZERO = np.uint32(0)
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _twist(key, i, successor, source):
     y = (key[i] & _UPPER) | (key[successor] & _LOWER)
     key[i] = key[source] ^ (y >> _ONE) ^ ((_ZERO - (y & _ONE)) & _MATRIX)
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _regenerate(key):
     """The next 624 words of the state, in place."""
     for i in range(MT_STATE_WORDS - MT_SHIFT):
@@ -38,7 +38,7 @@ def _regenerate(key):
     _twist(key, MT_STATE_WORDS - 1, 0, MT_SHIFT - 1)
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _next_word(key, index):
     """(tempered output, next index); ``index`` 624 means the state must be regenerated first."""
     if index == MT_STATE_WORDS:
@@ -52,7 +52,7 @@ def _next_word(key, index):
     return y, index + 1
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _interval(key, index, largest):
     """(uniform draw in ``[0, largest]`` by masked rejection as numpy's ``random_interval``,
     next index)."""

@@ -13,7 +13,7 @@ from tokenloom.index.feistel import _permute_numba, permute_into
 from tokenloom.index.kernels import jit, prange
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _length_of(d, lengths, ids, first_id, contiguous):
     if contiguous:
         return np.int64(lengths[first_id + d])
@@ -96,7 +96,7 @@ def _block_sums_parallel_numba(lengths, ids, first_id, contiguous, n, block_shif
                 out[base + (k >> block_shift)] += lengths[ids[documents[k]]]
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _last_block_before(starts, q):
     """Largest b with starts[b] < q (starts non-decreasing, starts[0] = 0 < q <= starts[-1]).
 

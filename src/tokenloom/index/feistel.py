@@ -31,7 +31,7 @@ seed, the purpose, the epoch and the size (see :func:`derive_round_keys`), so a
 permutation is reproducible across platforms and numpy versions from FORMAT.md.
 
 Two backends compute bit-identical results: ``"numpy"`` (vectorised uint64
-arithmetic, chunked) and ``"numba"`` (compiled loops, the ``[fast]`` extra, compiled on
+arithmetic, chunked; where numba is not installed) and ``"numba"`` (compiled loops, compiled on
 first use by :mod:`tokenloom.index.kernels`).
 """
 
@@ -176,7 +176,7 @@ def _walk_numpy(x: np.ndarray, size: int, bits: int, keys: np.ndarray, step: Cal
 # kernels call permute_into and _permute_numba too.
 
 
-@jit(inline="always")
+@jit(inline="always", cache=True)
 def _fmix64_scalar(z):
     z ^= z >> np.uint64(33)
     z *= np.uint64(0xFF51AFD7ED558CCD)
@@ -186,7 +186,7 @@ def _fmix64_scalar(z):
     return z
 
 
-@jit(nogil=True)
+@jit(cache=True, nogil=True)
 def _network_batch(buf, count, bits, keys, inverse):
     """One pass of the network (or its inverse) over ``buf[:count]``, in place.
 
@@ -215,7 +215,7 @@ def _network_batch(buf, count, bits, keys, inverse):
                 buf[j] = (lo << h) | (((x >> w) + _fmix64_scalar(lo ^ key)) & high_mask)
 
 
-@jit(nogil=True)
+@jit(cache=True, nogil=True)
 def _settle(buf, slot, active, limit, out):
     """Write every walked value to ``out``; keep those still outside ``[0, limit)``.
 
@@ -231,7 +231,7 @@ def _settle(buf, slot, active, limit, out):
     return kept
 
 
-@jit(nogil=True)
+@jit(cache=True, nogil=True)
 def permute_into(first, count, step_size, size, bits, keys, inverse, buf, slot, out):
     """``out[k] = perm(first + k * step_size)`` for ``k < count`` (cycle walking included).
 

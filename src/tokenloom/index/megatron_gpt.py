@@ -179,7 +179,7 @@ if numba_available():
 
 
 def default_sample_index_kernel() -> str:
-    """"numba" where numba is installed (the ``[fast]`` extra), else "numpy"."""
+    """"numba" where numba is installed (it comes with tokenloom), else "numpy"."""
     return resolve_backend("auto", SAMPLE_INDEX_KERNELS, fallback="numpy", what="kernel")
 
 

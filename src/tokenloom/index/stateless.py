@@ -21,8 +21,9 @@ tokens plus the shared extra label token, packed across documents, over the epoc
   documents (from the nearer end of the block), evaluating ``P_e`` on the way. Sample 0
   starts at ``(0, 0)``.
 
-Kernels come in two backends with identical results (:data:`BACKENDS`): numba (the ``[fast]``
-extra; :mod:`tokenloom.index._stateless_kernels`, compiled on first use) and numpy.
+Kernels come in two backends with identical results (:data:`BACKENDS`): numba
+(:mod:`tokenloom.index._stateless_kernels`, compiled on first use) and numpy (where numba is not
+installed).
 The tests hold a slow packer that spells out every token as the reference.
 
 This is exactly the ``(position, offset)`` megatron-core's ``build_sample_idx`` records, so

@@ -2,7 +2,7 @@
 
 Two backends, chosen from :data:`GATHER_BACKENDS` by :func:`gather_kernels` (identical results):
 
-* ``"numba"`` (the ``[fast]`` extra): one compiled loop per call, walking each sample's documents
+* ``"numba"`` (the default; numba comes with tokenloom): one compiled loop per call, walking each sample's documents
   and copying their tokens straight from the memory map into the output row (plain Python loops
   below, compiled on first use by :mod:`tokenloom.index.kernels`);
 * ``"numpy"``: the same from vectorised index arithmetic and ``IndexedDataset.read_spans``.
@@ -186,7 +186,7 @@ if numba_available():
 
 
 def default_backend() -> str:
-    """"numba" when installed (the ``[fast]`` extra), else "numpy"."""
+    """"numba" when installed (it comes with tokenloom), else "numpy"."""
     return resolve_backend("auto", GATHER_BACKENDS, fallback="numpy")
 
 
