@@ -38,8 +38,8 @@ replayed or rerun from the true state, so the arrays are megatron's for any gues
 The exhaustive variant (``build_exhaustive_blending_indices``: weights ``size_d / total``, a
 dataset dropped once it has given ``size_d`` samples) runs through the same kernel.
 
-Backends (:class:`GreedyKernels`): ``"numba"`` compiles the kernels on first use (the ``[fast]``
-extra, through :mod:`tokenloom.index.kernels`); ``"python"`` runs the very same functions in the
+Backends (:class:`GreedyKernels`): ``"numba"`` compiles the kernels on first use (numba comes
+with tokenloom; through :mod:`tokenloom.index.kernels`); ``"python"`` runs the very same functions in the
 Python interpreter (slow: for checking, for small blends that would not repay the compile, and
 for installs without numba). Both give identical arrays; :func:`_reference_megatron_blend` is the
 plain O(size x D) loop.
