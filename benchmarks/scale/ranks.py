@@ -58,7 +58,11 @@ def child(args) -> dict:
     """One rank: join the group, then measure the build call alone."""
     from datetime import timedelta
 
-    config = json.loads(args.config)
+    if args.config.startswith("@"):  # a config too long for a command line, in a file
+        with open(args.config[1:]) as f:
+            config = json.load(f)
+    else:
+        config = json.loads(args.config)
     config.update(cache_dir=args.cache, mode=args.mode, timeout_s=3600.0)
     if args.world > 1:
         import torch.distributed as dist
@@ -79,7 +83,7 @@ def child(args) -> dict:
     if profile:  # cProfile of rank 0's build call, to see where a rank's fixed work goes
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)  # CPU, not wall: ranks share the cores
         result = profiler.runcall(tokenloom.build, config)
         profiler.dump_stats(profile)
     else:
@@ -109,7 +113,14 @@ def _free_port() -> int:
 def launch(world: int, config: dict, cache: str, mode: str) -> list[dict]:
     """``world`` rank processes on 127.0.0.1, each printing its measurement as a JSON line."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_child", "--config", json.dumps(config),
+    text = json.dumps(config)
+    if len(text) > 64_000:  # past what a command line holds: hand the ranks a file
+        os.makedirs(cache + ".config", exist_ok=True)
+        path = os.path.join(cache + ".config", "config.json")
+        with open(path, "w") as f:
+            f.write(text)
+        text = "@" + path
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_child", "--config", text,
                                "--cache", cache, "--mode", mode, "--rank", str(rank), "--world", str(world),
                                "--port", str(port)], stdout=subprocess.PIPE)
              for rank in range(world)]

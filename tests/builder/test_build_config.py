@@ -105,6 +105,20 @@ def test_canonical_json_round_trips_and_ignores_key_order(value):
         assert canonical_json(dict(reversed(list(value.items())))) == text
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=5)) | st.lists(st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False))
+       | st.lists(st.booleans() | st.integers(-3, 3) | st.none(), max_size=5))
+def test_flat_lists_key_as_their_elements_do(value):
+    # long lists of prefixes or weights skip the element-wise walk: the text must be the same
+    assert canonical_json(value) == "[" + ",".join(canonical_json(v) for v in value) + "]"
+    assert canonical_json(tuple(value)) == canonical_json(value)
+
+
+def test_non_finite_numbers_in_a_list_are_refused():
+    with pytest.raises(ConfigError, match="non-finite"):
+        canonical_json([1.0, float("inf")])
+
+
 def test_keys_change_with_every_array_field():
     from tokenloom.builder.config import ARRAY_FIELDS
 

@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,11 @@ class BuildConfig:
     blend_threads: int = 0
     """Threads of each exact blend (megatron's greedy in chunks, identical arrays); 0: this rank's
     share of its host's cores (the cores it may use / the build's ranks on the host)."""
+
+    verify_stores: str = "stat"
+    """How a build knows a store it fingerprinted before is unchanged: ``stat`` compares size,
+    mtime, ctime, inode and device of both files with what ``CACHE/stores.json`` recorded (see
+    ``tokenloom.builder.stores``); ``hash`` hashes every store on every build."""
 
     blend_block_samples: int = 1 << 20
     """Positions per block of an exact blend's arrays: every rank computes and writes whole
@@ -176,6 +181,9 @@ class BuildConfig:
         check_number("timeout_s", self.timeout_s, positive=True, expected="a positive number of seconds")
         object.__setattr__(self, "rng_workers", check_non_negative_int("rng_workers", self.rng_workers))
         object.__setattr__(self, "blend_threads", check_non_negative_int("blend_threads", self.blend_threads))
+        if self.verify_stores not in ("stat", "hash"):
+            raise ConfigError(f"verify_stores={self.verify_stores!r}; expected 'stat' (trust unchanged file "
+                              "metadata) or 'hash' (hash every store on every build)")
         object.__setattr__(self, "blend_block_samples", check_positive_int("blend_block_samples",
                                                                             self.blend_block_samples))
         for index, name in enumerate(SPLIT_NAMES):
@@ -211,7 +219,7 @@ class BuildConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (blends as ``{"prefixes": [...], "weights": [...]}``)."""
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars; the blends follow
         out["blend"] = _blend_dict(self.blend)
         out["blend_per_split"] = (
             None if self.blend_per_split is None

@@ -162,7 +162,7 @@ def split_ranges(config: BuildConfig, num_sequences: int, prefix: str) -> list[t
     out: list[tuple[int, int] | None] = []
     for index in range(len(SPLIT_NAMES)):
         blend = config.blend_per_split[index]
-        out.append((0, num_sequences) if blend is not None and prefix in blend.prefixes else None)
+        out.append((0, num_sequences) if blend is not None and blend.has_prefix(prefix) else None)
     return out
 
 
@@ -249,8 +249,71 @@ def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
 
 
-def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[list[WorkItem], list[SplitPlan]]:
-    """Items and splits of ``config`` given every store's info, megatron-core's builder semantics."""
+def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None) -> list[int | None] | None:
+    """The ``num_samples`` each store's ``gpt`` item of a split is built for, from the config alone
+    (megatron-core's buffers, tokenloom's stateless counts, or None: every sample of an epoch);
+    None when they follow from the items themselves (unweighted blends)."""
+    split = SPLIT_NAMES[split_index]
+    if len(blend.prefixes) == 1 and (blend.weights is None or config.blend is None):
+        return [size]  # one store read directly
+    if blend.weights is None:
+        return [None] * len(blend.prefixes)
+    if size is None:
+        raise ConfigError(
+            f"{split}_samples is None but the {split} blend has weights; megatron-core needs a "
+            f"sample count to blend by weight: set {split}_samples or drop the weights")
+    if config.mode == "stateless":
+        from tokenloom.index.blend import largest_remainder_counts
+
+        weights = megatron_normalize(blend.weights).tolist()
+        return [int(n) for n in largest_remainder_counts(np.asarray(weights), size).tolist()]
+    return list(blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus).buffers)
+
+
+GptItems = dict
+"""``(prefix, split_index, begin, end, num_samples) -> WorkItem``: dataset items already made."""
+
+
+def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> GptItems:
+    """The ``gpt`` items of the stores in ``infos`` (any subset of the config's stores): the part
+    of planning that grows with the stores, which ranks divide and then share with
+    :func:`resolve_items`."""
+    made: GptItems = {}
+    sizes = config.samples_per_split
+    for split_index in range(len(SPLIT_NAMES)):
+        blend = config.blend_for_split(split_index)
+        if blend is None:
+            continue
+        if not any(p in infos and split_ranges(config, infos[p].num_sequences, p)[split_index] is not None
+                   for p in blend.prefixes):
+            continue  # none of these stores is read by this split
+        counts = _dataset_sizes(config, blend, split_index, sizes[split_index])
+        for prefix, n in zip(blend.prefixes, counts):
+            if prefix in infos:
+                _make_gpt(config, infos, made, prefix, split_index, n)
+    return made
+
+
+def _make_gpt(config: BuildConfig, infos, made: GptItems, prefix: str, split_index: int, n) -> WorkItem | None:
+    info = infos[prefix]
+    bounds = split_ranges(config, info.num_sequences, prefix)[split_index]
+    if bounds is None:
+        return None
+    key = (prefix, split_index, *bounds, n)
+    item = made.get(key)
+    if item is None:
+        item = made[key] = _gpt_item(config, info, split_index, *bounds, n)
+    return item
+
+
+def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
+                  made: GptItems | None = None) -> tuple[list[WorkItem], list[SplitPlan]]:
+    """Items and splits of ``config`` given every store's info, megatron-core's builder semantics.
+
+    ``made``: dataset items already made (:func:`dataset_items`, by this rank or gathered from
+    others); the rest are made here.
+    """
+    made = {} if made is None else made
     items: dict[str, WorkItem] = {}
     splits: list[SplitPlan] = []
     sizes = config.samples_per_split
@@ -262,28 +325,21 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[
         if any(r is None for r in ranges):
             continue  # the split string gives this split no weight
         size = sizes[split_index]
-        direct = len(blend.prefixes) == 1 and (blend.weights is None or config.blend is None)
-        if direct:
-            item = _gpt_item(config, infos[blend.prefixes[0]], split_index, *ranges[0], size)
+        counts = _dataset_sizes(config, blend, split_index, size)
+        datasets = [_make_gpt(config, infos, made, p, split_index, n) for p, n in zip(blend.prefixes, counts)]
+        if len(datasets) == 1 and (blend.weights is None or config.blend is None):
+            item = datasets[0]
             items.setdefault(item.key, item)
             splits.append(SplitPlan(name=split, prefixes=blend.prefixes, dataset_keys=(item.key,),
                                     blend_key=None, num_samples=item.num_samples))
             continue
         if config.mode == "stateless":
-            datasets, blend_weights, blend_size = _stateless_sizes(config, infos, blend, split_index, ranges, size)
+            blend_weights, blend_size = _stateless_sizes(blend, datasets, size)
         elif blend.weights is not None:
-            if size is None:
-                raise ConfigError(
-                    f"{split}_samples is None but the {split} blend has weights; megatron-core needs a "
-                    f"sample count to blend by weight: set {split}_samples or drop the weights")
             megatron = blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus)
-            datasets = [_gpt_item(config, infos[p], split_index, *r, n)
-                        for p, r, n in zip(blend.prefixes, ranges, megatron.buffers)]
             blend_weights = list(megatron.blend_weights)
             blend_size: int | None = megatron.blended_size
         else:
-            datasets = [_gpt_item(config, infos[p], split_index, *r, None)
-                        for p, r in zip(blend.prefixes, ranges)]
             blend_weights = [d.num_samples for d in datasets]
             if size is not None:
                 blend_size = min(size, sum(blend_weights))
@@ -300,24 +356,14 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> tuple[
     return list(items.values()), splits
 
 
-def _stateless_sizes(config, infos, blend, split_index, ranges, size):
-    """tokenloom's sizing: exactly ``size`` samples, largest-remainder counts, each dataset built
-    with exactly its count (no surplus)."""
-    from tokenloom.index.blend import largest_remainder_counts
-
-    split = SPLIT_NAMES[split_index]
+def _stateless_sizes(blend, datasets: list[WorkItem], size: int | None) -> tuple[list[float], int]:
+    """tokenloom's sizing: exactly ``size`` samples from largest-remainder counts (each dataset
+    built with exactly its count, no surplus), or every sample of the datasets."""
     if blend.weights is not None:
-        if size is None:
-            raise ConfigError(f"{split}_samples is None but the {split} blend has weights; set {split}_samples")
-        weights = megatron_normalize(blend.weights).tolist()
-        counts = largest_remainder_counts(np.asarray(weights), size).tolist()
-        datasets = [_gpt_item(config, infos[p], split_index, *r, int(n))
-                    for p, r, n in zip(blend.prefixes, ranges, counts)]
-        return datasets, weights, int(size)
-    datasets = [_gpt_item(config, infos[p], split_index, *r, None) for p, r in zip(blend.prefixes, ranges)]
+        return megatron_normalize(blend.weights).tolist(), int(size)
     lengths = [d.num_samples for d in datasets]
     total = sum(lengths) if size is None else min(size, sum(lengths))
-    return datasets, megatron_normalize(lengths).tolist(), int(total)
+    return megatron_normalize(lengths).tolist(), int(total)
 
 
 def _range_cost(item: WorkItem, positions: int) -> float:
@@ -388,10 +434,11 @@ def assign_lpt(items: list[WorkItem], world_size: int) -> dict[str, int]:
 
 
 def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: int,
-               done: frozenset[str] = frozenset()) -> BuildPlan:
-    """The plan: every item, the splits, and the ranks that build the items not in ``done``."""
+               done: frozenset[str] = frozenset(), made: GptItems | None = None) -> BuildPlan:
+    """The plan: every item, the splits, and the ranks that build the items not in ``done``
+    (``made``: dataset items already made, see :func:`resolve_items`)."""
     check_positive_int("world_size", world_size)
-    items, splits = resolve_items(config, infos)
+    items, splits = resolve_items(config, infos, made)
     return assign_work(config, items, splits, world_size, [item for item in items if item.key not in done])
 
 
@@ -450,7 +497,7 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
 
 
 __all__ = [
-    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "divide_blends", "format_plan",
+    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "dataset_items", "divide_blends", "format_plan",
     "is_divided", "plan_build", "ranges_for",
     "resolve_items", "split_ranges",
 ]

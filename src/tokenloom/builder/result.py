@@ -6,11 +6,14 @@ sample_ids)`` and ``read_samples`` their tokens, exactly as megatron-core's ``Bl
 (exact mode) would serve them. The build makes one reader per dataset (megatron-core's arrays or
 the stateless index) and one locator per split (megatron-core's blend arrays, the closed-form
 blend, or a single dataset read directly). Nothing is copied into memory: the arrays are
-read-only memory maps of the cache files, so every rank of a job can open the same build cheaply.
+read-only memory maps of the cache files, so every rank of a job can open the same build cheaply,
+and a dataset's store and arrays are opened on its first read (a blend of 10,000 stores holds no
+store open until it serves from it).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from tokenloom.builder.cache import Cache
@@ -18,9 +21,9 @@ from tokenloom.builder.items import BuildPlan, SplitPlan
 from tokenloom.builder.stateless import open_stateless_gpt_index, stateless_blend
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import GPTIndices
-from tokenloom.io import IndexedDataset
+from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, Locator
-from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader
+from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, StoreOpener
 
 
 class BuildResult:
@@ -50,7 +53,7 @@ class BuildResult:
         """Per rank of the build: ``predicted_s`` (the plan's estimate of its work on one core),
         ``wall_s`` and ``cpu_s`` (measured in the build phase; CPU of every thread and of the
         shuffle workers)."""
-        stores: dict[str, IndexedDataset] = {}
+        stores: dict[str, StoreOpener] = {}
         self._items = {item.key: item for item in plan.items}
         self._splits: dict[str, BlendedSource] = {}
         for split in plan.splits:
@@ -59,23 +62,15 @@ class BuildResult:
 
     def _open_split(self, split: SplitPlan, stores, seq_length, add_extra_token, weights) -> BlendedSource:
         readers: list[DatasetReader] = []
+        reader_class = StatelessReader if self.mode == "stateless" else MegatronReader
         for prefix, key in zip(split.prefixes, split.dataset_keys):
             item = self._items[key]
             if prefix not in stores:
-                stores[prefix] = IndexedDataset(prefix)
-            if self.mode == "stateless":
-                record = self.cache.read_record(key)
-                indices = open_stateless_gpt_index(
-                    stores[prefix], record, self.cache.open_array(key, "block_token_starts"),
-                    self.cache.open_array(key, "document_keys"))
-                readers.append(StatelessReader(name=prefix, store=stores[prefix], indices=indices, key=key))
-            else:
-                indices = GPTIndices(
-                    document_index=self.cache.open_array(key, "document_index"),
-                    sample_index=self.cache.open_array(key, "sample_index"),
-                    shuffle_index=self.cache.open_array(key, "shuffle_index"),
-                    plan=item.epoch_plan, seed=int(item.params["seed"]))
-                readers.append(MegatronReader(name=prefix, store=stores[prefix], indices=indices, key=key))
+                stores[prefix] = StoreOpener(prefix)
+            # nothing is opened here: a reader opens its store and its arrays on its first read
+            readers.append(reader_class(name=prefix, store=stores[prefix], key=key, prefix=prefix,
+                                        indices=functools.partial(self._open_indices, key, stores[prefix]),
+                                        num_samples=item.epoch_plan.num_samples_in_index))
         locator: Locator
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
@@ -86,6 +81,18 @@ class BuildResult:
                                    self.cache.open_array(split.blend_key, "dataset_sample_index"))
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name)
+
+    def _open_indices(self, key: str, store: StoreOpener) -> GPTIndices | StatelessGPTIndex:
+        """The index of ``gpt`` item ``key``, around its memory-mapped cache arrays."""
+        if self.mode == "stateless":
+            return open_stateless_gpt_index(store(), self.cache.read_record(key),
+                                            self.cache.open_array(key, "block_token_starts"),
+                                            self.cache.open_array(key, "document_keys"))
+        item = self._items[key]
+        return GPTIndices(document_index=self.cache.open_array(key, "document_index"),
+                          sample_index=self.cache.open_array(key, "sample_index"),
+                          shuffle_index=self.cache.open_array(key, "shuffle_index"),
+                          plan=item.epoch_plan, seed=int(item.params["seed"]))
 
     @property
     def splits(self) -> dict[str, BlendedSource]:

@@ -1,8 +1,11 @@
 """``tokenloom.build(config, group=None)``: the phases of a build, on every rank.
 
-1. **fingerprint** -- ranks hash the stores round-robin and gather the fingerprints;
-2. **plan** -- every rank resolves the same items and keys, checks its cache, and all ranks agree
-   on what is missing; missing items go to ranks by longest processing time first;
+1. **fingerprint** -- ranks fingerprint the stores round-robin (a store unchanged since the
+   memo recorded it is not opened: :mod:`tokenloom.builder.stores`), make those stores' dataset
+   items, and gather both;
+2. **plan** -- every rank resolves the same items and keys from the gathered ones, the writers
+   check their cache, and all ranks agree on what is missing; missing items go to ranks by longest
+   processing time first, exact blends are cut into one range per rank;
 3. **build** -- each rank builds its items (locks per item, atomic publication);
 4. **transfer** -- without a shared filesystem, each finished item travels over the group to one
    writer per node that lacks it;
@@ -45,11 +48,11 @@ from tokenloom.builder.exact import (
     build_gpt_arrays,
     plan_to_dict,
 )
-from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, plan_build, ranges_for
+from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, dataset_items, plan_build, ranges_for
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
-from tokenloom.builder.stores import StoreInfo, fingerprint_store
+from tokenloom.builder.stores import FingerprintMemo, StoreInfo, fingerprint_store
 from tokenloom.builder.transfer import pack_item, unpack_item
 from tokenloom.errors import BuildError
 from tokenloom.source.keys import build_key as make_build_key
@@ -117,6 +120,7 @@ class _Build:
 
     def run(self, dry_run: bool):
         self._cpu_mark = time.process_time()
+        self.dry_run = dry_run
         start = time.perf_counter()
         infos = self._fingerprint()
         self._timed("fingerprint", start)
@@ -174,19 +178,43 @@ class _Build:
         prefixes = self.config.prefixes
         mine: dict[str, StoreInfo] = {}
         failure = None
+        memo = None
+        if self.config.verify_stores == "stat":
+            memo = FingerprintMemo(os.path.join(self.config.cache_dir, "stores.json"))
         for prefix in prefixes[self.rank::self.world]:
             try:
-                mine[prefix] = fingerprint_store(prefix, ranges_for(self.config, prefix))
+                mine[prefix] = fingerprint_store(prefix, ranges_for(self.config, prefix), memo)
             except Exception as exc:
                 failure = failure_from(exc, rank=self.rank, phase="fingerprint", item=f"store {prefix}")
                 break
+        made = {}
+        if failure is None:  # the dataset items of these stores: planning's share that grows with them
+            try:
+                made = dataset_items(self.config, mine)
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
+        fresh = memo.fresh if memo is not None else {}
         gathered = agree(self.group, failure, phase="fingerprint",
-                         payload=(mine, node_key(self.config.cache_dir)))
+                         payload=(mine, node_key(self.config.cache_dir), fresh, made))
         infos: dict[str, StoreInfo] = {}
-        for part, _ in gathered:
+        self._made = {}
+        for part, _, _, part_made in gathered:
             infos.update(part)
-        self._node_keys = [key for _, key in gathered]
+            self._made.update(part_made)
+        self._node_keys = [key for _, key, _, _ in gathered]
         self.infos = {p: infos[p] for p in prefixes}
+        self.stores_hashed = sum(len(f) for _, _, f, _ in gathered)
+        # one rank per cache directory saves what every rank hashed afresh
+        writer = 0 if self.config.shared_fs else self._node_keys.index(self._node_keys[self.rank])
+        if memo is not None and self.rank == writer and not self.dry_run:  # a dry run writes nothing
+            all_fresh: dict[str, dict] = {}
+            for _, _, part, _ in gathered:
+                all_fresh.update(part)
+            try:
+                os.makedirs(self.config.cache_dir, exist_ok=True)
+            except OSError:
+                pass
+            memo.merge_and_save(all_fresh)
         return self.infos
 
     # -- 2. plan --------------------------------------------------------------------------------
@@ -195,7 +223,7 @@ class _Build:
         plan = None
         mine: set[str] | None = None
         try:
-            plan = plan_build(self.config, self.infos, self.world)
+            plan = plan_build(self.config, self.infos, self.world, made=self._made)
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
         if self.config.shared_fs:
@@ -389,16 +417,22 @@ class _Build:
         })
         manifest_path = None
         failure = None
-        if nodes[self.rank] == self.rank:
-            try:
+        writer = nodes[self.rank] == self.rank
+        try:
+            if writer:
                 manifest_path = self.cache.manifest_path(build_key)
                 if records or not os.path.isfile(manifest_path):  # a warm start keeps the manifest
                     manifest_path = self._write_manifest(plan, infos, records, build_key, array_config)
-                if self.config.megatron_cache_dir is not None:
-                    for item in plan.items:
-                        export_megatron_item(self.cache, item, self.config.megatron_cache_dir)
-            except Exception as exc:
-                failure = failure_from(exc, rank=self.rank, phase="finalize", item=None)
+            if self.config.megatron_cache_dir is not None:
+                # on a shared filesystem every rank places a share of the items; else each node's writer all
+                if self.config.shared_fs:
+                    share = plan.items[self.rank::self.world]
+                else:
+                    share = plan.items if writer else ()
+                for item in share:
+                    export_megatron_item(self.cache, item, self.config.megatron_cache_dir)
+        except Exception as exc:
+            failure = failure_from(exc, rank=self.rank, phase="finalize", item=None)
         paths = agree(self.group, failure, phase="finalize", payload=manifest_path)
         return build_key, paths[nodes[self.rank]]
 

@@ -7,20 +7,45 @@ Any change that could change an index changes the hash; a touch that changes onl
 the fingerprint too, so the cache errs towards rebuilding.
 
 Fingerprinting also measures what the planner needs: sequences and tokens in each split range.
+
+**Known stores are not hashed again** (:class:`FingerprintMemo`, ``verify_stores="stat"``). The
+memo (``CACHE/stores.json``) keeps each store's fingerprint with the ``stat`` of both files taken
+*before* they were read: size, mtime and ctime in nanoseconds, inode and device. A later build
+takes the recorded fingerprint when all ten values are equal, and hashes the store again otherwise.
+This is safe because any write to a file moves its ctime to the current time, and no call can set
+ctime back (``touch -d``, ``cp -p`` and ``rsync -t`` restore mtime, not ctime; a replaced file
+has a new inode). One race remains: a write in the same clock tick as the recorded stat leaves
+every time unchanged. So an entry whose files changed less than :data:`RACY_NS` before it was
+recorded is never trusted (as git treats racily clean entries): the store is hashed again until
+its files are older than that (clocks of the hosts that write the stores and that build must agree
+within that margin). Filesystems that do not keep ctime (some object-store mounts)
+should use ``verify_stores="hash"``, which hashes every store on every build as before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenloom.io import IndexedDataset
-from tokenloom.io.format import HEADER_SIZE
+from tokenloom.io.format import HEADER_SIZE, bin_path, idx_path
+
+log = logging.getLogger(__name__)
 
 _HASH_CHUNK = 1 << 24  # bytes hashed per update
+
+RACY_NS = 2_000_000_000
+"""An entry is trusted only if both files were last changed at least this long (2 s, above the
+coarsest timestamp granularity of common filesystems) before their stat was recorded."""
+
+MEMO_FORMAT = "tokenloom-store-fingerprints"
+MEMO_VERSION = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,22 +100,32 @@ def _hash_array(digest, array: np.ndarray) -> None:
         digest.update(flat[begin:begin + _HASH_CHUNK])
 
 
-def fingerprint_store(prefix: str, ranges_for) -> StoreInfo:
+def _stat_record(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def fingerprint_store(prefix: str, ranges_for, memo: FingerprintMemo | None = None) -> StoreInfo:
     """Open ``prefix``, hash it and count tokens in the ranges ``ranges_for(num_sequences)`` lists.
 
     ``ranges_for`` maps the store's sequence count to the ``(begin, end)`` sequence ranges the
-    build uses (the split ranges depend on the count).
+    build uses (the split ranges depend on the count). With a ``memo``, a store whose files are
+    unchanged since the memo recorded it (see the module's docstring) is not opened at all.
     """
+    if memo is not None:
+        known = memo.lookup(prefix, ranges_for)
+        if known is not None:
+            return known
     store = IndexedDataset(prefix)
+    stats = [_stat_record(store.idx_path), _stat_record(store.bin_path)]  # before reading: see RACY_NS
+    seen_ns = time.time_ns()
     digest = hashlib.sha256()
     with open(store.idx_path, "rb") as f:
         digest.update(f.read(HEADER_SIZE))
     _hash_array(digest, store.sequence_lengths)
-    idx_stat = os.stat(store.idx_path)
-    bin_stat = os.stat(store.bin_path)
     fingerprint = StoreFingerprint(
-        idx_bytes=idx_stat.st_size, bin_bytes=bin_stat.st_size,
-        idx_mtime_ns=idx_stat.st_mtime_ns, bin_mtime_ns=bin_stat.st_mtime_ns,
+        idx_bytes=stats[0][0], bin_bytes=stats[1][0],
+        idx_mtime_ns=stats[0][1], bin_mtime_ns=stats[1][1],
         idx_sha256=digest.hexdigest(),
     )
     lengths = store.sequence_lengths
@@ -99,8 +134,92 @@ def fingerprint_store(prefix: str, ranges_for) -> StoreInfo:
         ranges.append((begin, end, int(np.sum(lengths[begin:end], dtype=np.int64))))
     num_tokens = int(np.sum(lengths, dtype=np.int64))
     store.close()
-    return StoreInfo(prefix=prefix, fingerprint=fingerprint, num_sequences=store.num_sequences,
+    info = StoreInfo(prefix=prefix, fingerprint=fingerprint, num_sequences=store.num_sequences,
                      num_tokens=num_tokens, range_tokens=tuple(ranges))
+    if memo is not None:
+        memo.record(info, stats, seen_ns)
+    return info
 
 
-__all__ = ["StoreFingerprint", "StoreInfo", "fingerprint_store"]
+class FingerprintMemo:
+    """Fingerprints of stores already hashed, kept in ``CACHE/stores.json`` between builds.
+
+    ``lookup`` answers from the memo when a store's files are unchanged (module docstring);
+    ``record`` notes a fresh fingerprint; ``merge_and_save`` writes the memo atomically with
+    what every rank recorded. An unreadable or foreign memo is ignored (every store is hashed,
+    as without one), never an error: it only saves time.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: dict[str, dict] = {}
+        self.fresh: dict[str, dict] = {}
+        """Entries recorded by this process (to be gathered and saved)."""
+        self.hits = 0
+        try:
+            with open(path, encoding="utf-8") as f:
+                memo = json.load(f)
+            if memo.get("format") == MEMO_FORMAT and memo.get("version") == MEMO_VERSION:
+                self.entries = dict(memo["stores"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("%s: unreadable store fingerprint memo (%s); hashing every store", path, exc)
+
+    @staticmethod
+    def _key(prefix: str) -> str:
+        return os.path.abspath(prefix)
+
+    def lookup(self, prefix: str, ranges_for) -> StoreInfo | None:
+        """The recorded StoreInfo of ``prefix`` when its files are provably unchanged, else None."""
+        entry = self.entries.get(self._key(prefix))
+        if entry is None:
+            return None
+        try:
+            stats = [_stat_record(idx_path(prefix)), _stat_record(bin_path(prefix))]
+        except OSError:
+            return None  # fingerprinting proper reports the missing file
+        if stats != entry["stats"]:
+            return None
+        if any(entry["seen_ns"] - max(stat[1], stat[2]) < RACY_NS for stat in stats):
+            return None  # changed too close to when it was recorded: not provably unchanged
+        wanted = ranges_for(entry["num_sequences"])
+        known = {(b, e): t for b, e, t in entry["ranges"]}
+        if any((b, e) not in known for b, e in wanted):
+            return None  # other split ranges than recorded: count them afresh
+        self.hits += 1
+        return StoreInfo(prefix=prefix, fingerprint=StoreFingerprint(**entry["fingerprint"]),
+                         num_sequences=entry["num_sequences"], num_tokens=entry["num_tokens"],
+                         range_tokens=tuple((b, e, known[(b, e)]) for b, e in wanted))
+
+    def record(self, info: StoreInfo, stats: list[list[int]], seen_ns: int) -> None:
+        key = self._key(info.prefix)
+        ranges = {(b, e): t for b, e, t in self.entries.get(key, {}).get("ranges", ())
+                  if self.entries[key].get("stats") == stats}
+        ranges.update({(b, e): t for b, e, t in info.range_tokens})
+        self.fresh[key] = {"stats": stats, "seen_ns": seen_ns, "fingerprint": info.fingerprint.to_dict(),
+                           "num_sequences": info.num_sequences, "num_tokens": info.num_tokens,
+                           "ranges": sorted([b, e, t] for (b, e), t in ranges.items())}
+
+    def merge_and_save(self, fresh: dict[str, dict]) -> None:
+        """Write the memo with ``fresh`` entries (every rank's) over the loaded ones; atomic."""
+        if not fresh:
+            return
+        entries = dict(self.entries)
+        entries.update(fresh)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"format": MEMO_FORMAT, "version": MEMO_VERSION, "stores": entries}, f,
+                          separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only cache still builds; the next build hashes again
+            log.warning("%s: cannot save the store fingerprint memo (%s)", self.path, exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        self.entries = entries
+
+
+__all__ = ["RACY_NS", "FingerprintMemo", "StoreFingerprint", "StoreInfo", "fingerprint_store"]

@@ -88,11 +88,12 @@ class DirectLocator:
         return np.zeros(positions.shape, dtype=np.int64), positions.astype(np.int64, copy=True)
 
 
-def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo], width: int,
+def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo | DatasetReader], width: int,
                     fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
     """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
 
-    Every dataset id and sample id is checked against ``datasets`` first (PositionError names
+    Every dataset id and sample id is checked against ``datasets`` (anything with ``name`` and
+    ``num_samples``) first (PositionError names
     the first one out of range); then ``fill(d, rows, sample_ids_of_d, out)`` writes dataset
     ``d``'s samples into ``out[rows]``.
     """
@@ -137,11 +138,9 @@ class BlendedSource:
         self._add_extra_token = bool(add_extra_token)
         self._build_key = build_key
         self._pad_id = int(pad_id)
-        self._datasets = tuple(
-            DatasetInfo(name=reader.name, weight=float(w), num_samples=reader.num_samples,
-                        eod_id=resolve_eod(reader.store, eod))
-            for reader, w, eod in zip(self.readers, weights, eod_ids)
-        )
+        self._weights = tuple(float(w) for w in weights)
+        self._eod_ids = eod_ids
+        self._datasets: tuple[DatasetInfo, ...] | None = None
 
     # -- SampleSource ---------------------------------------------------------------------------
     @property
@@ -166,6 +165,15 @@ class BlendedSource:
 
     @property
     def datasets(self) -> tuple[DatasetInfo, ...]:
+        """Every dataset's name, weight, samples and end-of-document id. The ids come from the
+        stores' tokenizer records, read when first asked for (a blend of 10,000 stores opens none
+        of them until then)."""
+        if self._datasets is None:
+            self._datasets = tuple(
+                DatasetInfo(name=reader.name, weight=w, num_samples=reader.num_samples,
+                            eod_id=resolve_eod(reader.store, eod))
+                for reader, w, eod in zip(self.readers, self._weights, self._eod_ids)
+            )
         return self._datasets
 
     def __len__(self) -> int:
@@ -183,7 +191,7 @@ class BlendedSource:
         def fill(d: int, rows: np.ndarray, wanted: np.ndarray, out: np.ndarray) -> None:
             self.readers[d].read_into(wanted, out, rows, backend=self.backend)
 
-        return read_by_dataset(dataset_ids, sample_ids, datasets=self._datasets,
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers,
                                width=self._seq_length + int(self._add_extra_token), fill=fill)
 
     def __getitem__(self, position: int) -> np.ndarray:

@@ -37,6 +37,13 @@ def _normalise(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _normalise(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        kinds = set(map(type, value))
+        if kinds <= {str}:  # a blend's 10,000 prefixes or keys: nothing to convert, one check
+            return list(value)
+        if kinds <= {float, int}:
+            if not all(map(math.isfinite, value)):
+                raise ConfigError(f"cannot key the non-finite number in {value!r:.80}")
+            return list(value)
         return [_normalise(v) for v in value]
     raise ConfigError(f"cannot key a value of type {type(value).__name__}: {value!r}")
 

@@ -16,9 +16,14 @@ reader per dataset.
 
 from __future__ import annotations
 
+import errno
+import resource
+import threading
+from collections.abc import Callable
+
 import numpy as np
 
-from tokenloom.errors import ConfigError
+from tokenloom.errors import ConfigError, FormatError
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.io import IndexedDataset
@@ -57,29 +62,96 @@ def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: n
     return out
 
 
-class DatasetReader:
-    """Reads samples of one dataset (a store and its index); see the two kinds below."""
+class StoreOpener:
+    """Opens one token store on first use and keeps it open (shared by the readers of a store).
 
-    def __init__(self, *, name: str, store: IndexedDataset, indices: GPTIndices | StatelessGPTIndex,
-                 key: str | None = None) -> None:
+    A build over 10,000 stores opens none of them until serving reads from one: each open store
+    holds two file descriptors (its .idx and .bin maps), so a process touches only what it reads.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._store: IndexedDataset | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self._store is not None
+
+    def __call__(self) -> IndexedDataset:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = _open_store(self.prefix)
+        return self._store
+
+
+def _open_store(prefix: str) -> IndexedDataset:
+    try:
+        return IndexedDataset(prefix)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise ConfigError(
+            f"{prefix}: cannot open the store: this process has reached its limit of {soft} open files "
+            "(ulimit -n); every store read from holds 2 (its .idx and .bin memory maps), so reading "
+            f"from N stores needs about 2N + 100; raise the limit (ulimit -n) before starting the job") from exc
+
+
+class DatasetReader:
+    """Reads samples of one dataset (a store and its index); see the two kinds below.
+
+    ``store`` and ``indices`` may be given as zero-argument callables (a :class:`StoreOpener`,
+    a function that opens the index): they are called on the first read, and ``num_samples`` must
+    then be given, so that opening a blend of thousands of datasets touches no store.
+    """
+
+    def __init__(self, *, name: str, store: IndexedDataset | Callable[[], IndexedDataset],
+                 indices: GPTIndices | StatelessGPTIndex | Callable[[], GPTIndices | StatelessGPTIndex],
+                 key: str | None = None, prefix: str | None = None, num_samples: int | None = None) -> None:
         self.name = name
         """The dataset's label: its store prefix, or a name given to the blend."""
-        self.store = store
-        """The token store, memory-mapped."""
-        self.indices = indices
-        """The packed-sample index over ``store``."""
         self.key = key
         """Cache key of the build item that made ``indices``; None for an index made in memory."""
+        self._store = None if callable(store) else store
+        self._open_store = store if self._store is None else None
+        self._indices = None if callable(indices) else indices
+        self._open_indices = indices if self._indices is None else None
+        if self._indices is None and num_samples is None:
+            raise ConfigError(f"{name}: a reader whose index opens on first use needs num_samples")
+        self._num_samples = self._indices.num_samples if self._indices is not None else int(num_samples)
+        self._prefix = prefix if prefix is not None else (self._store.prefix if self._store is not None
+                                                          else getattr(store, "prefix", None))
+
+    @property
+    def store(self) -> IndexedDataset:
+        """The token store, memory-mapped (opened now if it was not)."""
+        if self._store is None:
+            self._store = self._open_store()
+        return self._store
+
+    @property
+    def indices(self) -> GPTIndices | StatelessGPTIndex:
+        """The packed-sample index over ``store`` (opened now if it was not)."""
+        if self._indices is None:
+            indices = self._open_indices()
+            if indices.num_samples != self._num_samples:
+                raise FormatError(f"{self.name}: its index holds {indices.num_samples} samples but the build "
+                                  f"recorded {self._num_samples}; the cache entry {self.key} does not match "
+                                  "its plan (run tokenloom verify on the cache)")
+            self._indices = indices
+        return self._indices
 
     @property
     def num_samples(self) -> int:
         """Samples in the index; sample ids handed to :meth:`read_into` stay below it."""
-        return self.indices.num_samples
+        return self._num_samples
 
     @property
     def prefix(self) -> str:
         """The store's path prefix."""
-        return self.store.prefix
+        return self._prefix if self._prefix is not None else self.store.prefix
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
                   backend: str | None = None) -> None:
@@ -100,9 +172,9 @@ class DatasetReader:
 class MegatronReader(DatasetReader):
     """A dataset on megatron-core's arrays: sample ``i`` is megatron-core's ``GPTDataset[i]``."""
 
-    def __init__(self, *, name: str, store: IndexedDataset, indices: GPTIndices, key: str | None = None,
-                 pad_id: int = PAD_TOKEN_ID) -> None:
-        super().__init__(name=name, store=store, indices=indices, key=key)
+    def __init__(self, *, name: str, store, indices, key: str | None = None, pad_id: int = PAD_TOKEN_ID,
+                 prefix: str | None = None, num_samples: int | None = None) -> None:
+        super().__init__(name=name, store=store, indices=indices, key=key, prefix=prefix, num_samples=num_samples)
         self.pad_id = int(pad_id)
         """Fills the short last sample a validation split keeps (``drop_last_partial=False``)."""
 
@@ -115,8 +187,9 @@ class MegatronReader(DatasetReader):
 class StatelessReader(DatasetReader):
     """A dataset on tokenloom's stateless index: every sample is a whole window of tokens."""
 
-    def __init__(self, *, name: str, store: IndexedDataset, indices: StatelessGPTIndex, key: str | None = None) -> None:
-        super().__init__(name=name, store=store, indices=indices, key=key)
+    def __init__(self, *, name: str, store, indices, key: str | None = None, prefix: str | None = None,
+                 num_samples: int | None = None) -> None:
+        super().__init__(name=name, store=store, indices=indices, key=key, prefix=prefix, num_samples=num_samples)
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
                   backend: str | None = None) -> None:
@@ -125,4 +198,4 @@ class StatelessReader(DatasetReader):
                                                             np.ascontiguousarray(out_rows, dtype=np.int64))
 
 
-__all__ = ["DatasetReader", "MegatronReader", "StatelessReader", "gather_gpt_samples", "resolve_eod"]
+__all__ = ["DatasetReader", "StoreOpener", "MegatronReader", "StatelessReader", "gather_gpt_samples", "resolve_eod"]
