@@ -5,10 +5,11 @@ of the build call on the benchmark corpus. The largest rank's CPU fits
 
     cpu_largest(N) = a + b / N                                         (1)
 
-where ``a`` is the work every rank repeats whatever N is (opening its share of the stores and
-hashing them is divided; planning, opening the result, the collectives and loading the compiled
-kernels are not) and ``b`` the work that divides (dataset indices, the blends, writing and
-hashing the arrays). ``a`` and ``b`` come from a least-squares fit of (1) to the measured points.
+where ``a`` is the work every rank repeats whatever N is (fingerprinting the stores and making
+their dataset items divide; gathering those, planning the blends, opening the result, the
+collectives and loading the compiled kernels do not) and ``b`` the work that divides (dataset
+indices, the blends, writing and hashing the arrays). ``a`` and ``b`` come from a least-squares fit
+of (1) to the measured points.
 
 At a target scale of ``tokens`` tokens over ``datasets`` datasets, every divisible part of the
 exact build grows with the tokens (document positions, blend samples, array bytes) at a fixed
@@ -17,7 +18,9 @@ number of datasets, so
     critical_path(R) = a(datasets) + b * (tokens / corpus_tokens) / R      (2)
 
 with ``a(datasets) = a * datasets / corpus_datasets`` when planning and opening grow with the
-datasets (an upper bound: the fingerprints part of ``a`` divides over ranks), plus the largest
+datasets (an upper bound: part of ``a`` divides over ranks), or, where it was measured, the
+largest rank's CPU seconds of a warm start at ``datasets`` stores on 16 ranks (``warm.py``: the
+same fixed work, measured rather than scaled; ``fixed_s``), plus the largest
 single item that cannot be divided (one store's dataset index: ``positions of the largest store
 x seconds per position``), which (2) assumes is below ``b * scale / R``; the function checks it.
 """
@@ -39,17 +42,19 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def project(rows: list[dict], *, mode: str, corpus_tokens: float, corpus_datasets: int, tokens: float,
-            datasets: int, ranks: int, largest_item_s: float = 0.0) -> dict:
-    """Critical path at ``tokens`` x ``datasets`` on ``ranks`` ranks from the rows of ``mode``."""
+            datasets: int, ranks: int, largest_item_s: float = 0.0, fixed_s: float | None = None) -> dict:
+    """Critical path at ``tokens`` x ``datasets`` on ``ranks`` ranks from the rows of ``mode``
+    (``fixed_s``: a measured per-rank fixed cost at ``datasets`` instead of ``a`` scaled)."""
     points = [(r["ranks"], r["largest_cpu_s"]) for r in rows if r["mode"] == mode]
     a, b = fit(points)
     scale = tokens / corpus_tokens
-    fixed = a * max(1.0, datasets / corpus_datasets)
+    fixed = a * max(1.0, datasets / corpus_datasets) if fixed_s is None else max(a, fixed_s)
     divided = b * scale / ranks
     item = largest_item_s * scale
     return {"mode": mode, "a_s": a, "b_s": b, "tokens": tokens, "datasets": datasets, "ranks": ranks,
             "fixed_s": fixed, "divided_s": divided, "largest_item_s": item,
-            "critical_path_s": fixed + max(divided, item), "points": points}
+            "critical_path_s": fixed + max(divided, item), "points": points,
+            "fixed_from": "scaled" if fixed_s is None else "measured warm start"}
 
 
 def format_projection(projections: list[dict]) -> str:
@@ -58,7 +63,8 @@ def format_projection(projections: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in projections:
         lines.append(f"| {p['mode']} | {p['tokens']:.0e} | {p['datasets']:,} | {p['ranks']:,} | {p['a_s']:.2f} | "
-                     f"{p['b_s']:.1f} | {p['fixed_s']:.2f} | {p['divided_s']:.2f} | {p['largest_item_s']:.2f} | "
+                     f"{p['b_s']:.1f} | {p['fixed_s']:.2f} ({p.get('fixed_from', 'scaled')}) | {p['divided_s']:.2f} | "
+                     f"{p['largest_item_s']:.2f} | "
                      f"{p['critical_path_s']:.1f} |")
     return "\n".join(lines)
 

@@ -6,7 +6,8 @@ The corpus (made here unless ``--corpus`` names one): 10,000 stores, 1e10 tokens
 (``make_corpus.py``; real .idx files, sparse .bin files). The config blends all 10,000 stores by
 token count for train (``blend_per_split`` with train only, the form megatron-core's
 ``fast_cache_load`` requires; a valid blend of the same stores would double megatron-core's open
-files past this machine's limit of 20,000), 2048-token samples, 1.5 epochs, exact mode. One cold tokenloom build (not timed here) fills tokenloom's cache and, through
+files past this machine's limit of 20,000), 2048-token samples, 1.5 epochs, exact mode. One cold
+tokenloom build (not timed here) fills tokenloom's cache and, through
 ``megatron_cache_dir``, megatron-core's, so both sides load the same indices as cache hits.
 
 Rows, each the build call of every rank of a fresh launch (``scale/ranks.py``'s harness: CPU

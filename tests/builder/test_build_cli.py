@@ -57,6 +57,21 @@ def test_build_then_verify_then_detect_damage(config_file, tmp_path, capsys):
     assert str(pack) in capsys.readouterr().out
 
 
+def test_verify_stores_hash_rehashes_every_store(config_file, tmp_path, capsys, monkeypatch):
+    import tokenloom.builder.stores as stores_module
+
+    monkeypatch.setattr(stores_module, "RACY_NS", 0)
+    cache = tmp_path / "c"
+    assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress"]) == 0
+    opened = []
+    real = stores_module.IndexedDataset
+    monkeypatch.setattr(stores_module, "IndexedDataset", lambda prefix: opened.append(prefix) or real(prefix))
+    assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress"]) == 0
+    assert opened == []  # the memo answered for every store
+    assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress", "--verify-stores", "hash"]) == 0
+    assert len(opened) == 3 and "0 built, 12 reused" in capsys.readouterr().out
+
+
 def test_bad_mode_combination_is_a_config_error(config_file, tmp_path):
     with pytest.raises(ConfigError, match="megatron-core can only load exact-mode"):
         _run(["build", str(config_file), "--mode", "stateless", "--megatron-cache", str(tmp_path / "m")])

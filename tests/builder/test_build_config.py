@@ -106,7 +106,8 @@ def test_canonical_json_round_trips_and_ignores_key_order(value):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.text(max_size=5)) | st.lists(st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False))
+@given(st.lists(st.text(max_size=5))
+       | st.lists(st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False))
        | st.lists(st.booleans() | st.integers(-3, 3) | st.none(), max_size=5))
 def test_flat_lists_key_as_their_elements_do(value):
     # long lists of prefixes or weights skip the element-wise walk: the text must be the same

@@ -76,8 +76,8 @@ def test_a_store_changed_under_the_same_size_and_mtime_is_hashed_again(stores, t
     sizes = {p: os.path.getsize(p) for p in before}
     if sizes[target + ".bin"] != before[target + ".bin"].st_size:  # keep the .bin size too
         os.truncate(target + ".bin", before[target + ".bin"].st_size)
-    for path, st in before.items():
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for path, stat in before.items():
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert not np.array_equal(np.fromfile(target + ".idx", dtype=np.uint8), old)
     opens = _Opens(monkeypatch)
     second = tb.build(config)

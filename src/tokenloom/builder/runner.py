@@ -203,7 +203,6 @@ class _Build:
             self._made.update(part_made)
         self._node_keys = [key for _, key, _, _ in gathered]
         self.infos = {p: infos[p] for p in prefixes}
-        self.stores_hashed = sum(len(f) for _, _, f, _ in gathered)
         # one rank per cache directory saves what every rank hashed afresh
         writer = 0 if self.config.shared_fs else self._node_keys.index(self._node_keys[self.rank])
         if memo is not None and self.rank == writer and not self.dry_run:  # a dry run writes nothing

@@ -35,6 +35,9 @@ def add_build_parser(subparsers) -> None:
                    help="background processes drawing shuffles ahead (exact mode, default 1)")
     p.add_argument("--blend-threads", type=int, metavar="N",
                    help="threads of each exact blend (default 0: this rank's share of the host's cores)")
+    p.add_argument("--verify-stores", choices=("stat", "hash"),
+                   help="stat (default): a store unchanged since the cache's fingerprint memo recorded it "
+                        "(size, mtime, ctime, inode, device) is not hashed again; hash: hash every store")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_build)
 
@@ -46,6 +49,7 @@ def run_build(args) -> int:
     overrides = {
         "cache_dir": args.cache, "mode": args.mode, "megatron_cache_dir": args.megatron_cache,
         "timeout_s": args.timeout, "rng_workers": args.rng_workers, "blend_threads": args.blend_threads,
+        "verify_stores": args.verify_stores,
     }
     if args.no_shared_fs:
         overrides["shared_fs"] = False

@@ -198,4 +198,4 @@ class StatelessReader(DatasetReader):
                                                             np.ascontiguousarray(out_rows, dtype=np.int64))
 
 
-__all__ = ["DatasetReader", "StoreOpener", "MegatronReader", "StatelessReader", "gather_gpt_samples", "resolve_eod"]
+__all__ = ["DatasetReader", "MegatronReader", "StatelessReader", "StoreOpener", "gather_gpt_samples", "resolve_eod"]
