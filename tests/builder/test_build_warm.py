@@ -115,6 +115,23 @@ def test_a_damaged_memo_is_ignored_with_a_warning(stores, tmp_path, monkeypatch,
     json.load(open(tmp_path / "cache" / "stores.json"))  # rewritten whole
 
 
+def test_a_damaged_memo_entry_is_hashed_again(stores, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(stores_module, "RACY_NS", 0)
+    config = blend_config(stores, tmp_path / "cache")
+    first = tb.build(config)
+    path = tmp_path / "cache" / "stores.json"
+    memo = json.load(open(path))
+    key = os.path.abspath(stores[0])
+    memo["stores"][key] = {"stats": memo["stores"][key]["stats"], "seen_ns": 2**62}  # no fingerprint
+    memo["stores"][os.path.abspath(stores[1])]["ranges"] = "garbage"
+    path.write_text(json.dumps(memo))
+    opens = _Opens(monkeypatch)
+    with caplog.at_level("WARNING"):
+        second = tb.build(config)
+    assert "unusable memo entry" in caplog.text
+    assert sorted(opens.prefixes) == sorted(stores[:2]) and second.build_key == first.build_key
+
+
 def test_other_split_ranges_are_counted_afresh(stores, tmp_path, monkeypatch):
     monkeypatch.setattr(stores_module, "RACY_NS", 0)
     memo_path = str(tmp_path / "stores.json")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenloom.io import IndexedDataset
-from tokenloom.io.format import HEADER_SIZE, bin_path, idx_path
+from tokenloom.io.format import HEADER_SIZE, bin_path, idx_path, normalize_prefix
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,8 @@ class FingerprintMemo:
                 memo = json.load(f)
             if memo.get("format") == MEMO_FORMAT and memo.get("version") == MEMO_VERSION:
                 self.entries = dict(memo["stores"])
+            else:
+                log.warning("%s: not a version-%d store fingerprint memo; hashing every store", path, MEMO_VERSION)
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -168,15 +170,23 @@ class FingerprintMemo:
 
     @staticmethod
     def _key(prefix: str) -> str:
-        return os.path.abspath(prefix)
+        return os.path.abspath(normalize_prefix(prefix))
 
     def lookup(self, prefix: str, ranges_for) -> StoreInfo | None:
         """The recorded StoreInfo of ``prefix`` when its files are provably unchanged, else None."""
+        try:
+            return self._lookup(prefix, ranges_for)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a damaged entry: hash again
+            log.warning("%s: unusable memo entry for %s (%r); hashing it", self.path, prefix, exc)
+            return None
+
+    def _lookup(self, prefix: str, ranges_for) -> StoreInfo | None:
         entry = self.entries.get(self._key(prefix))
         if entry is None:
             return None
+        prefix_path = normalize_prefix(prefix)
         try:
-            stats = [_stat_record(idx_path(prefix)), _stat_record(bin_path(prefix))]
+            stats = [_stat_record(idx_path(prefix_path)), _stat_record(bin_path(prefix_path))]
         except OSError:
             return None  # fingerprinting proper reports the missing file
         if stats != entry["stats"]:
@@ -194,8 +204,13 @@ class FingerprintMemo:
 
     def record(self, info: StoreInfo, stats: list[list[int]], seen_ns: int) -> None:
         key = self._key(info.prefix)
-        ranges = {(b, e): t for b, e, t in self.entries.get(key, {}).get("ranges", ())
-                  if self.entries[key].get("stats") == stats}
+        old = self.entries.get(key)
+        ranges = {}
+        if isinstance(old, dict) and old.get("stats") == stats:  # same files: keep the ranges counted before
+            try:
+                ranges = {(b, e): t for b, e, t in old.get("ranges", ())}
+            except (TypeError, ValueError):
+                ranges = {}
         ranges.update({(b, e): t for b, e, t in info.range_tokens})
         self.fresh[key] = {"stats": stats, "seen_ns": seen_ns, "fingerprint": info.fingerprint.to_dict(),
                            "num_sequences": info.num_sequences, "num_tokens": info.num_tokens,
