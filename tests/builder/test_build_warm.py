@@ -174,7 +174,7 @@ def test_a_build_opens_each_store_on_its_first_read(stores, tmp_path, monkeypatc
         opened.clear()
         result = tb.build(blend_config(stores, tmp_path / mode, mode=mode))
         train = result.split("train")
-        assert opened == [] and len(train) > 0
+        assert opened == [] and len(train) > 0 and not any(r.store_open for r in train.readers)
         dataset_ids, sample_ids = train.locate(np.arange(64))
         first = int(dataset_ids[0])
         rows = train.read_samples(dataset_ids[:1], sample_ids[:1])

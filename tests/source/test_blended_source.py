@@ -127,3 +127,19 @@ def test_sizing_and_key_have_one_home(prefixes):
         BlendSpec(prefixes=tuple(prefixes)).megatron_sizes(100)
     assert build_key({"b": 1, "a": [1.5, 2]}) == build_key({"a": [1.5, 2], "b": 1})
     assert len(build_key({"a": 1})) == 40
+
+
+def test_an_eod_id_that_contradicts_the_store_fails_when_the_source_is_made(prefixes):
+    for source_class in (StoreBlendSource, StatelessBlendSource):
+        with pytest.raises(ConfigError, match=r"s0: eod_id=7 but the store's tokenizer record says 99"):
+            source_class.from_prefixes(prefixes, [0.6, 0.4], num_samples=50, seq_length=8, eod_id=7)
+
+
+def test_a_build_reads_the_eod_ids_of_its_stores_when_asked(prefixes, tmp_path):
+    config = {"seq_length": 8, "blend": {"prefixes": prefixes, "weights": [0.6, 0.4]}, "split": "1,0,0",
+              "train_samples": 50, "valid_samples": 0, "test_samples": 0, "cache_dir": str(tmp_path / "cache")}
+    built = tokenloom.build(config).split("train")
+    assert not any(r.store_open for r in built.readers)  # opening the build opened no store
+    assert [d.eod_id for d in built.datasets] == [99, 99]
+    assert all(r.store_open for r in built.readers)  # the tokenizer records needed them
+    assert [d.name for d in built.datasets] == prefixes

@@ -249,10 +249,10 @@ def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
 
 
-def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None) -> list[int | None] | None:
-    """The ``num_samples`` each store's ``gpt`` item of a split is built for, from the config alone
-    (megatron-core's buffers, tokenloom's stateless counts, or None: every sample of an epoch);
-    None when they follow from the items themselves (unweighted blends)."""
+def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None) -> list[int | None]:
+    """The ``num_samples`` each store's ``gpt`` item of a split is built for, from the config alone:
+    megatron-core's buffers, tokenloom's stateless counts, the split's size for a store read
+    directly, or None (every sample of an epoch: unweighted blends)."""
     split = SPLIT_NAMES[split_index]
     if len(blend.prefixes) == 1 and (blend.weights is None or config.blend is None):
         return [size]  # one store read directly
@@ -270,7 +270,7 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
     return list(blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus).buffers)
 
 
-GptItems = dict
+GptItems = dict[tuple[str, int, int, int, int | None], WorkItem]
 """``(prefix, split_index, begin, end, num_samples) -> WorkItem``: dataset items already made."""
 
 
@@ -497,7 +497,7 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
 
 
 __all__ = [
-    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "dataset_items", "divide_blends", "format_plan",
-    "is_divided", "plan_build", "ranges_for",
+    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "dataset_items", "divide_blends",
+    "format_plan", "is_divided", "plan_build", "ranges_for",
     "resolve_items", "split_ranges",
 ]

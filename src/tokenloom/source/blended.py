@@ -92,10 +92,9 @@ def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo |
                     fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
     """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
 
-    Every dataset id and sample id is checked against ``datasets`` (anything with ``name`` and
-    ``num_samples``) first (PositionError names
-    the first one out of range); then ``fill(d, rows, sample_ids_of_d, out)`` writes dataset
-    ``d``'s samples into ``out[rows]``.
+    Every dataset id and sample id is checked first against ``datasets`` (anything with ``name``
+    and ``num_samples``; PositionError names the first one out of range); then
+    ``fill(d, rows, sample_ids_of_d, out)`` writes dataset ``d``'s samples into ``out[rows]``.
     """
     dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
     sample_ids = np.asarray(sample_ids, dtype=np.int64)

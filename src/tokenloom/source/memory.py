@@ -107,10 +107,12 @@ class StoreBlendSource(BlendedSource):
                          "num_samples": int(num_samples), "seq_length": int(seq_length), "seed": int(seed),
                          "split": split, "split_name": split_name, "add_extra_token": bool(add_extra_token),
                          "surplus": surplus, "pad_id": int(pad_id), "drop_last_partial": drop_last})
-        return cls(readers=readers, weights=sizes.blend_weights,
-                   locator=ArrayLocator(dataset_index, dataset_sample_index), seq_length=seq_length,
-                   add_extra_token=add_extra_token, build_key=key, pad_id=pad_id, name=split_name,
-                   eod_ids=[eod_id] * len(readers))
+        source = cls(readers=readers, weights=sizes.blend_weights,
+                     locator=ArrayLocator(dataset_index, dataset_sample_index), seq_length=seq_length,
+                     add_extra_token=add_extra_token, build_key=key, pad_id=pad_id, name=split_name,
+                     eod_ids=[eod_id] * len(readers))
+        source.datasets  # noqa: B018 - the stores are open already: check their EOD ids now
+        return source
 
 
 class StatelessBlendSource(BlendedSource):
@@ -146,9 +148,11 @@ class StatelessBlendSource(BlendedSource):
                          "split": split, "split_name": split_name, "add_extra_token": bool(add_extra_token),
                          "block_size": int(block_size)})
         # stateless samples are whole windows of tokens: nothing is ever padded
-        return cls(readers=readers, weights=blend.weights.tolist(), locator=BlendLocator(blend),
-                   seq_length=seq_length, add_extra_token=add_extra_token, build_key=key, pad_id=-1,
-                   name=split_name, eod_ids=[eod_id] * len(readers))
+        source = cls(readers=readers, weights=blend.weights.tolist(), locator=BlendLocator(blend),
+                     seq_length=seq_length, add_extra_token=add_extra_token, build_key=key, pad_id=-1,
+                     name=split_name, eod_ids=[eod_id] * len(readers))
+        source.datasets  # noqa: B018 - the stores are open already: check their EOD ids now
+        return source
 
 
 __all__ = ["MEGATRON_SURPLUS", "StatelessBlendSource", "StoreBlendSource", "check_blend_arguments"]

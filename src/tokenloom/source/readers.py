@@ -125,6 +125,11 @@ class DatasetReader:
                                                           else getattr(store, "prefix", None))
 
     @property
+    def store_open(self) -> bool:
+        """Whether this reader's store is open (a build's readers open it on their first read)."""
+        return self._store is not None or bool(getattr(self._open_store, "is_open", False))
+
+    @property
     def store(self) -> IndexedDataset:
         """The token store, memory-mapped (opened now if it was not)."""
         if self._store is None:
