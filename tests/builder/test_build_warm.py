@@ -230,3 +230,16 @@ def test_dataset_items_made_by_parts_give_the_one_plan(tmp_path_factory, world, 
         part = {p: infos[p] for p in config.prefixes[rank::world]}
         made.update(dataset_items(config, part))
     assert _items_and_splits(config, infos, made) == _items_and_splits(config, infos)
+
+
+def test_a_split_pickles_and_reads_the_same_in_the_copy(stores, tmp_path):
+    # a DataLoader worker started by spawn gets the split by pickle: stores and arrays open there
+    import pickle
+
+    for mode in ("exact", "stateless"):
+        train = tb.build(blend_config(stores, tmp_path / mode, mode=mode)).split("train")
+        dataset_ids, sample_ids = train.locate(np.arange(40))
+        copy = pickle.loads(pickle.dumps(train))
+        assert not any(r.store_open for r in copy.readers)
+        assert np.array_equal(copy.read_samples(dataset_ids, sample_ids), train.read_samples(dataset_ids, sample_ids))
+        assert copy.build_key == train.build_key

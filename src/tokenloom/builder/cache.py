@@ -225,6 +225,9 @@ class Cache:
         self._maps: dict[str, np.memmap] = {}
         self._index_lock = threading.Lock()
 
+    def __reduce__(self):  # a copy in another process reads the indexes and maps the packs anew
+        return (Cache, (self.root,))
+
     def ensure(self) -> None:
         if self._ensured:
             return

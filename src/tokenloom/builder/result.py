@@ -13,17 +13,36 @@ store open until it serves from it).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 from tokenloom.builder.cache import Cache
-from tokenloom.builder.items import BuildPlan, SplitPlan
+from tokenloom.builder.items import BuildPlan, SplitPlan, WorkItem
 from tokenloom.builder.stateless import open_stateless_gpt_index, stateless_blend
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, Locator
 from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, StoreOpener
+
+
+class _IndexOpener:
+    """Opens the index of one ``gpt`` item around its memory-mapped cache arrays, on a reader's
+    first read (picklable: a DataLoader worker started by spawn maps the arrays itself)."""
+
+    def __init__(self, cache: Cache, item: WorkItem, mode: str, store: StoreOpener) -> None:
+        self.cache, self.key, self.mode, self.store = cache, item.key, mode, store
+        self.epoch_plan, self.seed = item.epoch_plan, int(item.params["seed"])
+
+    def __call__(self) -> GPTIndices | StatelessGPTIndex:
+        cache, key = self.cache, self.key
+        if self.mode == "stateless":
+            return open_stateless_gpt_index(self.store(), cache.read_record(key),
+                                            cache.open_array(key, "block_token_starts"),
+                                            cache.open_array(key, "document_keys"))
+        return GPTIndices(document_index=cache.open_array(key, "document_index"),
+                          sample_index=cache.open_array(key, "sample_index"),
+                          shuffle_index=cache.open_array(key, "shuffle_index"),
+                          plan=self.epoch_plan, seed=self.seed)
 
 
 class BuildResult:
@@ -68,8 +87,8 @@ class BuildResult:
             if prefix not in stores:
                 stores[prefix] = StoreOpener(prefix)
             # nothing is opened here: a reader opens its store and its arrays on its first read
-            readers.append(reader_class(name=prefix, store=stores[prefix], key=key, prefix=prefix,
-                                        indices=functools.partial(self._open_indices, key, stores[prefix]),
+            opener = _IndexOpener(self.cache, item, self.mode, stores[prefix])
+            readers.append(reader_class(name=prefix, store=stores[prefix], key=key, prefix=prefix, indices=opener,
                                         num_samples=item.epoch_plan.num_samples_in_index))
         locator: Locator
         if split.blend_key is None:
@@ -81,18 +100,6 @@ class BuildResult:
                                    self.cache.open_array(split.blend_key, "dataset_sample_index"))
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name)
-
-    def _open_indices(self, key: str, store: StoreOpener) -> GPTIndices | StatelessGPTIndex:
-        """The index of ``gpt`` item ``key``, around its memory-mapped cache arrays."""
-        if self.mode == "stateless":
-            return open_stateless_gpt_index(store(), self.cache.read_record(key),
-                                            self.cache.open_array(key, "block_token_starts"),
-                                            self.cache.open_array(key, "document_keys"))
-        item = self._items[key]
-        return GPTIndices(document_index=self.cache.open_array(key, "document_index"),
-                          sample_index=self.cache.open_array(key, "sample_index"),
-                          shuffle_index=self.cache.open_array(key, "shuffle_index"),
-                          plan=item.epoch_plan, seed=int(item.params["seed"]))
 
     @property
     def splits(self) -> dict[str, BlendedSource]:

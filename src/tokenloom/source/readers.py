@@ -78,6 +78,9 @@ class StoreOpener:
     def is_open(self) -> bool:
         return self._store is not None
 
+    def __reduce__(self):  # a copy in another process opens the store there, on its first read
+        return (StoreOpener, (self.prefix,))
+
     def __call__(self) -> IndexedDataset:
         if self._store is None:
             with self._lock:
