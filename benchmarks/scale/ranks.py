@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -104,14 +103,10 @@ def child(args) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, config: dict, cache: str, mode: str) -> list[dict]:
     """``world`` rank processes on 127.0.0.1, each printing its measurement as a JSON line."""
+    from bench_build import _free_port
+
     port = _free_port()
     text = json.dumps(config)
     if len(text) > 64_000:  # past what a command line holds: hand the ranks a file
@@ -161,6 +156,8 @@ if rank == 0:
     print(json.dumps({"gather_s": best, "broadcast_bytes_per_s": (64 << 20) / seconds}))
 dist.destroy_process_group()
 '''
+    from bench_build import _free_port
+
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port)], stdout=subprocess.PIPE)
              for r in range(world)]
