@@ -68,7 +68,11 @@ def child(args) -> dict:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world, timeout=timedelta(seconds=3600))
+    # imports are not part of the call (the method); without .pyc files (PYTHONDONTWRITEBYTECODE)
+    # the builder's cost 0.1 s inside it
     import tokenloom
+    import tokenloom.builder.runner
+    import tokenloom.source
     from tokenloom.index.kernels import import_numba, numba_available
 
     if numba_available():  # paid once per process, before the build, by any job that uses numba

@@ -57,9 +57,8 @@ def cache_files(cache_dir) -> dict[str, bytes]:
     from tokenloom.builder.cache import Cache
 
     cache = Cache(str(cache_dir))
-    cache.refresh()
     out = {}
-    for key in sorted(cache._index):
+    for key in cache.item_keys():
         for name in sorted(cache.read_record(key)["files"]):
             out[f"{key}/{name}"] = cache.npy_image(key, name[: -len(".npy")])
     return out

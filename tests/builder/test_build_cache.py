@@ -19,7 +19,7 @@ from build_fixtures import blend_config, cache_files, make_stores, write_store
 from tokenloom.builder.cache import Cache, write_npy
 from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
 from tokenloom.builder.stores import fingerprint_store
-from tokenloom.errors import BuildError, ConfigError
+from tokenloom.errors import BuildError, ConfigError, FormatError
 from tokenloom.index.megatron_gpt import build_megatron_gpt_indices
 from tokenloom.index.split import document_ids, split_document_ranges
 
@@ -156,10 +156,11 @@ def test_manifest_records_versions_keys_files_and_timings(stores, tmp_path):
     assert set(manifest["stores"]) == set(stores)
     assert not os.listdir(tmp_path / "cache" / "tmp")  # nothing half-written left behind
     packs = os.listdir(tmp_path / "cache" / "packs")
-    # one pack (data + index) holds every dataset item of this one-rank build; each exact blend,
-    # written in place by every rank, has a pack of its own
+    # one pack (data, key list, index) holds every dataset item of this one-rank build; each
+    # exact blend, written in place by every rank, has a pack of its own
     blends = sum(1 for item in result.plan.items if item.kind == "blend")
-    assert blends and len(packs) == 2 * (1 + blends)
+    assert blends and len(packs) == 3 * (1 + blends)
+    assert {os.path.splitext(name)[1] for name in packs} == {".bin", ".keys", ".json"}
 
 
 def test_an_item_failure_is_a_build_error_naming_the_item(stores, tmp_path):
@@ -321,3 +322,64 @@ def test_verify_names_the_damaged_block_of_a_divided_blend(stores, tmp_path):
     assert not report.ok
     (problem,) = report.problems
     assert "dataset_sample_index.npy" in problem and "block 3," in problem
+
+
+def _pack_of(cache_dir, key) -> str:
+    """The index path (packs/NAME.json) of the pack that holds item ``key``."""
+    path, _ = Cache(str(cache_dir)).entry(key)
+    return path[: -len(".bin")] + ".json"
+
+
+def test_a_pack_index_is_read_only_when_one_of_its_records_is_asked_for(stores, tmp_path):
+    # every item is found from the packs' key lists; a pack's index (its records, the bulk of the
+    # cache's metadata) is parsed on the first read of one of them: a damaged index of a pack
+    # not read does not stop the others, and the one read names its file
+    cache_dir = tmp_path / "cache"
+    result = tb.build(blend_config(stores, cache_dir))
+    blend_key = next(item.key for item in result.plan.items if item.kind == "blend" and item.split == "train")
+    dataset_key = result.split("train").readers[0].key
+    dataset_pack = _pack_of(cache_dir, dataset_key)
+    assert dataset_pack != _pack_of(cache_dir, blend_key)
+    with open(dataset_pack, "w") as f:
+        f.write('{"format": "tokenloom-pack", "items": {')  # cut short
+    cache = Cache(str(cache_dir))
+    assert set(cache.item_keys()) == {item.key for item in result.plan.items}
+    assert cache.has(dataset_key)  # from the key list alone
+    assert cache.open_array(blend_key, "dataset_index").shape == (result.split("train").num_samples,)
+    for _ in range(2):
+        with pytest.raises(FormatError, match=f"{dataset_pack}: unreadable pack index"):
+            cache.read_record(dataset_key)
+    report = tb.verify_cache(str(cache_dir))  # verify lists it with the rest, it does not stop
+    assert not report.ok and any(p.startswith(f"{dataset_pack}: unreadable pack index") for p in report.problems)
+
+
+def test_packs_without_key_lists_are_read_whole(stores, tmp_path):
+    # caches written before key lists existed: their indexes are parsed when the pack is found
+    cache_dir = tmp_path / "cache"
+    first = tb.build(blend_config(stores, cache_dir))
+    for name in os.listdir(cache_dir / "packs"):
+        if name.endswith(".keys"):
+            os.remove(cache_dir / "packs" / name)
+    assert sorted(Cache(str(cache_dir)).item_keys()) == sorted(item.key for item in first.plan.items)
+    again = tb.build(blend_config(stores, cache_dir))
+    assert again.built_keys == frozenset() and again.build_key == first.build_key
+    assert np.array_equal(again.split("train")[7], first.split("train")[7])
+    assert tb.verify_cache(str(cache_dir)).ok
+
+
+def test_a_key_list_that_disagrees_with_its_index_is_named(stores, tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = tb.build(blend_config(stores, cache_dir))
+    key = result.split("train").readers[0].key
+    index = _pack_of(cache_dir, key)
+    keys_path = index[: -len(".json")] + ".keys"
+    ghost = "f" * 40
+    with open(keys_path, "a") as f:
+        f.write(f"{ghost}\n")
+    cache = Cache(str(cache_dir))
+    assert cache.has(ghost)
+    with pytest.raises(FormatError, match=f"{index}: item {ghost} is in the pack's key list"):
+        cache.read_record(ghost)
+    report = tb.verify_cache(str(cache_dir))
+    assert not report.ok
+    assert any(p.startswith(f"{index}: its key list names") and "damaged" in p for p in report.problems)

@@ -103,8 +103,7 @@ def test_the_blends_are_megatron_cores(run):
     helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
     world, root, _, _ = run
     cache = Cache(str(root / "shared"))
-    cache.refresh()
-    blends = [key for key in cache._index if cache.read_record(key)["kind"] == "blend"]
+    blends = [key for key in cache.item_keys() if cache.read_record(key)["kind"] == "blend"]
     assert len(blends) >= 10
     divided = 0
     for key in blends:
@@ -157,8 +156,7 @@ def test_a_failure_in_a_divided_blend_fails_every_rank_and_publishes_nothing(run
     assert message.startswith(f"rank {world - 1} failed in build while building blend ")
     assert "injected fault" in message
     cache = Cache(str(root / "failed"))
-    cache.refresh()
-    assert not [k for k in cache._index if cache.read_record(k)["kind"] == "blend"]
+    assert not [k for k in cache.item_keys() if cache.read_record(k)["kind"] == "blend"]
     assert not os.listdir(root / "failed" / "tmp")
     # a rerun on one process finishes the blends (and whatever dataset items were left)
     rerun = tb.build(blend_config([*configs["four"]["blend"]["prefixes"]], root / "failed", seed=7))
@@ -177,7 +175,6 @@ def test_a_rank_killed_in_a_divided_blend_fails_the_others_clearly(run):
         assert "killed or hung" in outcome["error"]
         assert outcome["seconds"] < 15.0 + 15.0
     cache = Cache(str(root / "killed"))
-    cache.refresh()
-    assert not [k for k in cache._index if cache.read_record(k)["kind"] == "blend"]
+    assert not [k for k in cache.item_keys() if cache.read_record(k)["kind"] == "blend"]
     builds = root / "killed" / "builds"
     assert not builds.is_dir() or not os.listdir(builds)  # no manifest: the build never finished

@@ -7,14 +7,17 @@ Layout (FORMAT.md walks through an example)::
                               writes) at a 64-byte aligned offset
       packs/<pack>.json       the pack's index: every item's record and, per array, offset,
                               size, SHA-256, dtype and shape; an item exists once an index lists it
+      packs/<pack>.keys       the keys the index lists, one per line, written before the index:
+                              a reader learns where every item is from these and parses an
+                              index only when it needs one of its records
       builds/<build_key>.json the manifest of one build: versions, config, stores, items, timings
       locks/items.lock        advisory locks of builders (one byte per item key)
       tmp/                    packs being written (never read)
 
 A rank gathers the items it builds into a pack and publishes it in three atomic steps: the .bin
 is written into ``tmp/`` with its hashes computed on the way, fsynced and renamed into ``packs/``,
-then the index is written the same way. A reader only follows an index, so it never sees a half-
-written array. Items cost no file each (a pack of thousands of items is two files and one fsync,
+then its key list and its index are written the same way. A reader only follows an index, so it
+never sees a half-written array. Items cost no file each (a pack of thousands of items is two files and one fsync,
 and one memory map serves all its arrays when opened).
 
 Two builders of one item (two jobs sharing a cache) lock it first, so one builds while the other
@@ -41,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import BuildError, FormatError
-from tokenloom.io.writer import fsync_dir, write_json_atomic
+from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_atomic
 
 #: Version of the cache layout and key material; bump it when either changes.
 CACHE_FORMAT_VERSION = 1
@@ -51,6 +54,7 @@ BUILDS_DIR = "builds"
 LOCKS_DIR = "locks"
 LOCK_FILE = "items.lock"
 TMP_DIR = "tmp"
+KEYS_SUFFIX = ".keys"
 ALIGNMENT = 64
 _HASH_CHUNK = 1 << 24
 
@@ -134,6 +138,18 @@ def host_record() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ writing
+
+
+def write_pack_index(root: str, name: str, records: Mapping[str, dict]) -> None:
+    """Publish pack ``name``'s index: its key list (``<name>.keys``), then the index itself
+    (``<name>.json``; the pack exists from that rename on). Both atomic."""
+    directory = os.path.join(root, PACKS_DIR)
+    write_bytes_atomic(os.path.join(directory, f"{name}{KEYS_SUFFIX}"),
+                       "".join(f"{key}\n" for key in records).encode("ascii"))
+    write_json_atomic(os.path.join(directory, f"{name}.json"),
+                      {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
+                       "items": dict(records)}, compact=True)
+
 
 
 @dataclass
@@ -221,7 +237,10 @@ class Cache:
         # key -> {pack .bin path: record}: every copy. Two jobs may both build an item (see
         # acquire); their copies hold identical bytes at different offsets of different packs.
         self._copies: dict[str, dict[str, dict]] = {}
-        self._seen_packs: set[str] = set()
+        self._seen_packs: set[str] = set()  # pack index names whose keys are known
+        self._parsed: set[str] = set()  # pack index names whose records are read
+        # key -> pack index names whose key list names it and whose records are not read yet
+        self._unparsed: dict[str, list[str]] = {}
         self._maps: dict[str, np.memmap] = {}
         self._index_lock = threading.Lock()
 
@@ -237,46 +256,130 @@ class Cache:
 
     # -- the index ------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Read the indexes of packs published since the last look."""
+        """Learn the packs published since the last look: from a pack's key list where it has
+        one (its index is parsed when one of its records is first asked for), else from its index."""
         directory = os.path.join(self.root, PACKS_DIR)
         try:
             names = os.listdir(directory)
         except FileNotFoundError:
             return
+        present = set(names)
         with self._index_lock:
             for name in sorted(names):
                 if not name.endswith(".json") or name in self._seen_packs:
                     continue
-                path = os.path.join(directory, name)
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        index = json.load(f)
-                except (OSError, ValueError) as exc:
-                    raise FormatError(f"{path}: unreadable pack index: {exc}") from None
-                bin_path = path[: -len(".json")] + ".bin"
-                for key, record in index.get("items", {}).items():
-                    self._index.setdefault(key, (bin_path, record))
-                    self._copies.setdefault(key, {})[bin_path] = record
+                keys_name = name[: -len(".json")] + KEYS_SUFFIX
+                if keys_name in present:
+                    path = os.path.join(directory, keys_name)
+                    try:
+                        with open(path, "rb") as f:
+                            keys = f.read().decode("ascii").split()
+                    except (OSError, UnicodeDecodeError) as exc:
+                        raise FormatError(f"{path}: unreadable pack key list: {exc}") from None
+                    for key in keys:
+                        self._unparsed.setdefault(key, []).append(name)
+                else:  # written before key lists existed
+                    self._parse_pack(name)
                 self._seen_packs.add(name)
+
+    def _parse_pack(self, name: str) -> None:
+        """Read the records of pack index ``name`` (the caller holds the index lock)."""
+        path = os.path.join(self.root, PACKS_DIR, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{path}: unreadable pack index: {exc}") from None
+        self._add_records(name, index.get("items", {}))
+
+    def _add_records(self, name: str, records: Mapping[str, dict]) -> None:
+        """Index the records of pack index ``name``. Of several copies of an item (two jobs built
+        it), readers take the one of the first pack in name order."""
+        bin_path = os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")
+        self._parsed.add(name)
+        for key, record in records.items():
+            self._copies.setdefault(key, {})[bin_path] = record
+            held = self._index.get(key)
+            if held is None or bin_path < held[0]:
+                self._index[key] = (bin_path, record)
+
+    def _resolve(self, key: str) -> None:
+        """Parse the indexes of the packs whose key lists name ``key`` and have not been read."""
+        with self._index_lock:
+            names = self._unparsed.get(key, [])
+            for name in names:
+                if name not in self._parsed:
+                    self._parse_pack(name)  # a damaged index raises, and raises again when asked again
+            self._unparsed.pop(key, None)
+            for name in names:
+                bin_path = os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")
+                if bin_path not in self._copies.get(key, {}):
+                    raise FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the "
+                                      f"pack's key list ({name[: -len('.json')]}{KEYS_SUFFIX}) but not in its "
+                                      "index; the pack index is damaged (tokenloom cache verify)")
 
     def has(self, key: str, *, refresh: bool = True) -> bool:
         """Whether item ``key`` is in a published pack."""
-        if key not in self._index and refresh:
+        if key not in self._index and key not in self._unparsed and refresh:
             self.refresh()
-        return key in self._index
+        return key in self._index or key in self._unparsed
+
+    def item_keys(self) -> list[str]:
+        """Every item key in a published pack (refreshed), sorted."""
+        self.refresh()
+        return sorted(set(self._index) | set(self._unparsed))
 
     def read_record(self, key: str) -> dict[str, Any]:
+        return self.entry(key)[1]
+
+    def entry(self, key: str) -> tuple[str, dict[str, Any]]:
+        """``(pack .bin path, record)`` of item ``key``: the copy readers use."""
         if not self.has(key):
             raise BuildError(f"{self.root}: cache item {key} is missing; rebuild it")
-        return self._index[key][1]
+        if key in self._unparsed:
+            self._resolve(key)
+        return self._index[key]
+
+    def copies(self, key: str) -> dict[str, dict[str, Any]]:
+        """Every copy of item ``key``: pack .bin path -> record (empty if no pack holds it)."""
+        if self.has(key, refresh=False):
+            self.entry(key)
+        return dict(self._copies.get(key, {}))
+
+    def parse_all(self) -> list[str]:
+        """Parse every pack index not read yet; returns one line per index that cannot be read
+        or whose key list disagrees with it (what ``verify`` reports)."""
+        self.refresh()
+        problems = []
+        with self._index_lock:
+            listed: dict[str, set[str]] = {}
+            for key, names in self._unparsed.items():
+                for name in names:
+                    listed.setdefault(name, set()).add(key)
+            self._unparsed = {}
+            for name in sorted(self._seen_packs - self._parsed):
+                try:
+                    self._parse_pack(name)
+                except FormatError as exc:
+                    problems.append(str(exc))
+                    listed.pop(name, None)
+        directory = os.path.join(self.root, PACKS_DIR)
+        for name, keys in sorted(listed.items()):
+            bin_path = os.path.join(directory, name[: -len(".json")] + ".bin")
+            indexed = {key for key, copies in self._copies.items() if bin_path in copies}
+            if keys != indexed:
+                problems.append(f"{os.path.join(directory, name)}: its key list names {len(keys)} item(s), "
+                                f"its index {len(indexed)}; they differ "
+                                f"(e.g. {sorted(keys ^ indexed)[0]}); the pack index is damaged")
+        return problems
 
     def locate(self, key: str, name: str) -> tuple[str, dict[str, Any]]:
         """``(pack path, file entry)`` of array ``name`` of item ``key``."""
-        record = self.read_record(key)
+        path, record = self.entry(key)
         entry = record["files"].get(f"{name}.npy")
         if entry is None:
             raise BuildError(f"{self.root}: cache item {key} has no array {name!r}; rebuild it")
-        return self._index[key][0], entry
+        return path, entry
 
     def open_array(self, key: str, name: str) -> np.ndarray:
         """Array ``name`` of item ``key``: a read-only memory map into its pack."""
@@ -337,9 +440,7 @@ class Cache:
                 os.fsync(f.fileno())
             os.rename(tmp, final)
             fsync_dir(os.path.dirname(final))
-            write_json_atomic(os.path.join(self.root, PACKS_DIR, f"{name}.json"),
-                              {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
-                               "items": records})
+            write_pack_index(self.root, name, records)
         except BaseException:
             for path in (tmp,):
                 try:
@@ -348,9 +449,7 @@ class Cache:
                     pass
             raise
         with self._index_lock:
-            for key, record in records.items():
-                self._index.setdefault(key, (final, record))
-                self._copies.setdefault(key, {})[final] = record
+            self._add_records(f"{name}.json", records)
             self._seen_packs.add(f"{name}.json")
         for item in items:
             if item.on_published is not None:
@@ -399,7 +498,7 @@ class Cache:
     def write_manifest(self, build_key: str, manifest: Mapping[str, Any]) -> str:
         self.ensure()
         path = self.manifest_path(build_key)
-        write_json_atomic(path, dict(manifest))
+        write_json_atomic(path, dict(manifest), compact=True)
         return path
 
     def manifests(self) -> list[str]:
@@ -438,8 +537,7 @@ def verify_cache(root: str) -> VerifyReport:
     cache = Cache(root)
     if not os.path.isdir(cache.root):
         raise FormatError(f"{cache.root}: no such cache directory")
-    cache.refresh()
-    problems: list[str] = []
+    problems: list[str] = cache.parse_all()
     checked: set[str] = set()
     files = 0
     manifests = cache.manifests()
@@ -460,10 +558,10 @@ def verify_cache(root: str) -> VerifyReport:
             if not cache.has(key, refresh=False):
                 problems.append(f"item {key} ({entry.get('label')}, listed in {path}) is in no pack index")
                 continue
-            pack_path, record = cache._index[key]
+            pack_path, record = cache.entry(key)
             if entry.get("pack") is not None:  # the copy this manifest's build uses
                 pack_path = os.path.join(cache.root, PACKS_DIR, f"{entry['pack']}.bin")
-                record = cache._copies[key].get(pack_path)
+                record = cache.copies(key).get(pack_path)
                 if record is None:
                     problems.append(f"{pack_path[:-4]}.json: does not index item {key}, which manifest {path} "
                                     "places in that pack")
@@ -505,4 +603,5 @@ __all__ = [
     "sha256_range",
     "verify_cache",
     "write_npy",
+    "write_pack_index",
 ]

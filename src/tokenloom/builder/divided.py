@@ -47,12 +47,13 @@ from tokenloom.builder.cache import (
     Cache,
     host_record,
     root_digest,
+    write_pack_index,
 )
 from tokenloom.builder.collective import agree, failure_from
 from tokenloom.builder.items import WorkItem
 from tokenloom.errors import BuildError
 from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled, settle_range
-from tokenloom.io.writer import fsync_dir, write_json_atomic
+from tokenloom.io.writer import fsync_dir
 
 #: The two arrays of a blend, in pack order, and the dtype of the second (the first is
 #: megatron's dataset-id dtype: int16, int32 beyond 32766 datasets).
@@ -302,9 +303,7 @@ def _publish(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, gath
         "megatron_md5": None if item.megatron is None else item.megatron.md5,
         "key": item.key, "format": CACHE_FORMAT_VERSION, "files": files, "pack": name,
     }
-    write_json_atomic(os.path.join(ctx.cache.root, PACKS_DIR, f"{name}.json"),
-                      {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
-                       "items": {item.key: record}})
+    write_pack_index(ctx.cache.root, name, {item.key: record})
     ctx.cache.refresh()
     return record
 

@@ -241,7 +241,8 @@ class _Build:
         present = {writer: gathered[writer] for writer in writers}
         everywhere_missing = [item for item in plan.items
                               if not any(item.key in keys for keys in present.values())]
-        plan = assign_work(self.config, plan.items, plan.splits, self.world, everywhere_missing)
+        plan = assign_work(self.config, plan.items, plan.splits, self.world, everywhere_missing,
+                           writers=tuple(sorted(writers)))
         self.writer_of = nodes
         return plan, nodes, present
 

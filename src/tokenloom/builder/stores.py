@@ -225,8 +225,8 @@ class FingerprintMemo:
         tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"format": MEMO_FORMAT, "version": MEMO_VERSION, "stores": entries}, f,
-                          separators=(",", ":"))
+                f.write(json.dumps({"format": MEMO_FORMAT, "version": MEMO_VERSION, "stores": entries},
+                                   separators=(",", ":")))  # dumps, not dump: the C encoder
             os.replace(tmp, self.path)
         except OSError as exc:  # a read-only cache still builds; the next build hashes again
             log.warning("%s: cannot save the store fingerprint memo (%s)", self.path, exc)

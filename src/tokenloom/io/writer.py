@@ -48,13 +48,26 @@ def _temp_beside(path: str) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
 
 
-def write_json_atomic(path: str, payload) -> None:
-    """Write ``payload`` as JSON to ``path`` via a temp file, fsync and rename."""
+def write_json_atomic(path: str, payload, *, compact: bool = False) -> None:
+    """Write ``payload`` as JSON to ``path`` via a temp file, fsync and rename.
+
+    Indented for people to read, or ``compact`` (one line, no spaces) for the large records only
+    programs read: Python's C encoder writes that form about five times faster.
+    """
+    if compact:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    else:
+        text = json.dumps(payload, indent=2, sort_keys=True)
+    write_bytes_atomic(path, (text + "\n").encode("utf-8"))
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file beside it, fsync and rename: ``path`` holds the
+    old content or the new, never a part."""
     fd, tmp = _temp_beside(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
