@@ -30,6 +30,7 @@ ALLOWED = {
     "serve": {"_version", "errors", "validate", "io", "index", "source", "planning"},
     "examples": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization", "builder",
                  "serve"},
+    "megatron": {"_version", "errors", "validate", "builder", "__init__"},
     "cli": {"_version", "errors", "validate", "io", "index", "source", "planning", "tokenization", "builder", "serve",
             "examples", "__init__"},
     "__init__": {"_version", "errors", "planning", "builder"},

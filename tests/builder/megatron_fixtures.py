@@ -3,6 +3,7 @@ building from scratch for comparison."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -33,9 +34,9 @@ def _blend(value):
     return value
 
 
-def megatron_datasets(config: dict, path_to_cache):
-    """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping."""
-    _, Builder, GPTDataset, GPTDatasetConfig, NullTokenizer = _megatron()
+def gpt_dataset_config(config: dict, path_to_cache):
+    """megatron-core's GPTDatasetConfig for a tokenloom config mapping (NullTokenizer(1000))."""
+    _, _, _, GPTDatasetConfig, NullTokenizer = _megatron()
     tokenizer = NullTokenizer(1000)
     assert dict(tokenizer.unique_identifiers) == NULL_TOKENIZER
     per_split = config.get("blend_per_split")
@@ -52,12 +53,19 @@ def megatron_datasets(config: dict, path_to_cache):
         drop_last_partial_validation_sequence=config.get("drop_last_partial_validation_sequence", True),
         mid_level_dataset_surplus=config.get("mid_level_dataset_surplus", 0.005),
     )
+    return mcfg
+
+
+def megatron_datasets(config: dict, path_to_cache):
+    """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping."""
+    _, Builder, GPTDataset, _, _ = _megatron()
     sizes = [config.get("train_samples"), config.get("valid_samples"), config.get("test_samples")]
-    return Builder(GPTDataset, sizes, lambda: True, mcfg).build()
+    return Builder(GPTDataset, sizes, lambda: True, gpt_dataset_config(config, path_to_cache)).build()
 
 
-def megatron_build_without_building(config: dict, path_to_cache):
-    """megatron-core's datasets from ``path_to_cache``, failing if it would build any array."""
+@contextlib.contextmanager
+def refusing_megatron_builders():
+    """megatron-core's index builders replaced by ones that fail: inside, it can only load."""
     helpers = _megatron()[0]
 
     def refuse(*args, **kwargs):
@@ -68,7 +76,13 @@ def megatron_build_without_building(config: dict, path_to_cache):
     try:
         for name in saved:
             setattr(helpers, name, refuse)
-        return megatron_datasets(config, path_to_cache)
+        yield
     finally:
         for name, function in saved.items():
             setattr(helpers, name, function)
+
+
+def megatron_build_without_building(config: dict, path_to_cache):
+    """megatron-core's datasets from ``path_to_cache``, failing if it would build any array."""
+    with refusing_megatron_builders():
+        return megatron_datasets(config, path_to_cache)

@@ -1,0 +1,142 @@
+"""examples/pretrain_gpt.py under torchrun on gloo: the loss falls, a run stopped at 2 ranks
+resumes at 1 (and the reverse) on the identical global batches with the same losses, a crash
+inside gradient accumulation resumes from the last step boundary, and a checkpoint of another
+build is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+SEQ, GLOBAL, MICRO, STEPS = 128, 16, 4, 60
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_build(directory, stores, *, seed: int = 1234) -> str:
+    config = {"blend": [str(0.7), stores[0], str(0.3), stores[1]], "split": "90,10,0", "seq_length": SEQ,
+              "seed": seed, "train_samples": 2 * STEPS * GLOBAL, "valid_samples": 32, "test_samples": 0,
+              "cache": str(directory / "cache"), "timeout_s": 120}
+    path = directory / f"build-{seed}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Two byte-tokenized stores of real text (standard-library sources) and two builds of them
+    that differ in their seed."""
+    from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+
+    directory = tmp_path_factory.mktemp("pretrain")
+    library = os.path.dirname(os.__file__)
+    modules = sorted(f for f in os.listdir(library) if f.endswith(".py"))  # about 200, a document each
+    stores = []
+    for name, files in (("a-m", [f for f in modules if f < "n"]), ("n-z", [f for f in modules if f >= "n"])):
+        summary = tokenize_to_store([os.path.join(library, f) for f in files], str(directory / name),
+                                    TokenizeConfig(tokenizer="bytes", workers=1, skip_bad=True))
+        stores.append(summary.prefix)
+    return directory, _write_build(directory, stores), _write_build(directory, stores, seed=99)
+
+
+def train(build: str, checkpoint, *, ranks: int, steps: int, resume: bool = False, metrics=None,
+          extra=(), env=None, expect: int = 0) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), EXAMPLE,
+               "--build", build, "--steps", str(steps), "--global-batch-size", str(GLOBAL),
+               "--micro-batch-size", str(MICRO), "--checkpoint", str(checkpoint), *extra]
+    if resume:
+        command.append("--resume")
+    if metrics is not None:
+        command += ["--metrics", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == expect, result.stderr[-4000:]
+    return result
+
+
+def _metrics(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(builds, tmp_path_factory):
+    """The reference: 2 ranks, 60 steps in one go."""
+    directory = tmp_path_factory.mktemp("whole")
+    _, build, _ = builds
+    train(build, directory / "ckpt", ranks=2, steps=STEPS, metrics=directory / "metrics.jsonl")
+    return _metrics(directory / "metrics.jsonl")
+
+
+def test_two_ranks_train_and_the_loss_falls(uninterrupted):
+    assert [m["step"] for m in uninterrupted] == list(range(1, STEPS + 1))
+    assert all(m["tokens"] == GLOBAL * SEQ and m["dp"] == 2 for m in uninterrupted)
+    first = sum(m["loss"] for m in uninterrupted[:3]) / 3
+    last = sum(m["loss"] for m in uninterrupted[-5:]) / 5
+    assert first > 5.0  # about ln(257): a byte model that knows nothing
+    assert last < first - 1.5, (first, last)
+    assert len({m["batch_fingerprint"] for m in uninterrupted}) == STEPS  # every step a new global batch
+
+
+def _same_run(resumed: list[dict], reference: list[dict]) -> None:
+    assert [m["step"] for m in resumed] == [m["step"] for m in reference]
+    assert [m["batch_fingerprint"] for m in resumed] == [m["batch_fingerprint"] for m in reference]
+    for got, want in zip(resumed, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), got["step"]
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_a_run_stopped_halfway_resumes_on_another_number_of_ranks(builds, uninterrupted, tmp_path, first, then):
+    _, build, _ = builds
+    metrics = tmp_path / "metrics.jsonl"
+    train(build, tmp_path / "ckpt", ranks=first, steps=STEPS // 2, metrics=metrics)
+    train(build, tmp_path / "ckpt", ranks=then, steps=STEPS, resume=True, metrics=metrics)
+    resumed = _metrics(metrics)
+    assert [m["dp"] for m in resumed] == [first] * (STEPS // 2) + [then] * (STEPS // 2)
+    _same_run(resumed, uninterrupted)
+
+
+def test_a_crash_inside_gradient_accumulation_resumes_from_the_last_step_boundary(builds, uninterrupted, tmp_path):
+    _, build, _ = builds
+    metrics = tmp_path / "metrics.jsonl"
+    # checkpoints every 10 steps; the job dies after the first micro-batch of step 15 (of 2 per rank)
+    result = train(build, tmp_path / "ckpt", ranks=2, steps=STEPS, metrics=metrics, extra=["--save-interval", "10"],
+                   env={"PRETRAIN_GPT_CRASH_AT": "15:1"}, expect=1)
+    assert "exiting inside step 15" in result.stderr
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 10 and state["loader"]["step"] == 10 and state["loader"]["micro_batch"] == 0
+    assert state["loader"]["consumed_samples"] == 10 * GLOBAL
+    logged = _metrics(metrics)
+    assert len(logged) == 14  # steps 11-14 ran after the checkpoint: the resume drops them and trains them again
+    train(build, tmp_path / "ckpt", ranks=2, steps=STEPS, resume=True, metrics=metrics)
+    _same_run(_metrics(metrics), uninterrupted)
+
+
+def test_a_checkpoint_of_another_build_or_a_second_start_is_refused(builds, tmp_path):
+    _, build, other = builds
+    train(build, tmp_path / "ckpt", ranks=1, steps=2)
+    result = train(other, tmp_path / "ckpt", ranks=1, steps=4, resume=True, expect=1)
+    assert "was saved from build" in result.stderr and "another data stream" in result.stderr
+    result = train(build, tmp_path / "ckpt", ranks=1, steps=4, expect=1)  # no --resume: not overwritten
+    assert "exists; pass --resume" in result.stderr
+    path = tmp_path / "ckpt" / "checkpoint.pt"
+    state = torch.load(path, weights_only=False)
+    assert state["step"] == 2
+    state["loader"]["micro_batch"] = 1  # as if saved inside a step's accumulation
+    torch.save(state, path)
+    result = train(build, tmp_path / "ckpt", ranks=1, steps=4, resume=True, expect=1)
+    assert "not saved at an optimizer step boundary" in result.stderr
