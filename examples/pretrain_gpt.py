@@ -24,7 +24,8 @@ number of ranks: each micro-batch's summed loss is divided by the global batch's
 The model is plain PyTorch (pre-norm decoder blocks, causal attention, tied embeddings) and has no
 dropout, so a resumed run repeats the uninterrupted one up to float rounding.
 
-``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (1-based),
+``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (0-based, as
+tokenloom's serving state, audit log and ``tokenloom where --step`` count),
 ``loss``, ``tokens`` (of the global batch), ``batch_fingerprint`` (of the global batch's samples,
 the same for every number of ranks: tokenloom.serve.batch_fingerprint), ``lr``, ``step_s``,
 ``data_wait_s`` (time this rank waited for its micro-batches), ``dp``.
@@ -55,7 +56,7 @@ from tokenloom.serve.torch_adapter import DistributedBatches
 CHECKPOINT_FORMAT = "tokenloom-example-gpt-checkpoint"
 CHECKPOINT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
-CRASH_ENV = "PRETRAIN_GPT_CRASH_AT"  # "STEP:MICRO": exit inside that step's accumulation (tests)
+CRASH_ENV = "PRETRAIN_GPT_CRASH_AT"  # "STEP:MICRO" (0-based): exit inside that step's accumulation (tests)
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -275,7 +276,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             keep = []
             if os.path.exists(args.metrics):
                 with open(args.metrics, encoding="utf-8") as f:
-                    keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+                    keep = [line for line in f if line.strip() and json.loads(line)["step"] < step]
             with open(args.metrics, "w", encoding="utf-8") as f:
                 f.writelines(keep)
         metrics = open(args.metrics, "a" if args.resume else "w", encoding="utf-8")
@@ -309,8 +310,8 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                 group["lr"] = lr
             total = torch.zeros((), dtype=torch.float64, device=device)
             for m, batch in enumerate(micro_batches):
-                if crash == (step + 1, m):
-                    print(f"pretrain_gpt: {CRASH_ENV}: exiting inside step {step + 1}", file=sys.stderr, flush=True)
+                if crash == (step, m):
+                    print(f"pretrain_gpt: {CRASH_ENV}: exiting inside step {step}", file=sys.stderr, flush=True)
                     os._exit(3)
                 last = m == accumulation - 1
                 with ddp.no_sync() if world > 1 and not last else contextlib.nullcontext():
@@ -337,7 +338,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                 if world > 1:
                     dist.barrier()  # no rank runs ahead of a checkpoint being written
             if metrics is not None:
-                record = {"step": step, "loss": loss, "tokens": tokens,
+                record = {"step": step - 1, "loss": loss, "tokens": tokens,
                           "batch_fingerprint": fingerprint, "lr": lr, "step_s": time.perf_counter() - started,
                           "data_wait_s": wait, "dp": world}
                 metrics.write(json.dumps(record) + "\n")

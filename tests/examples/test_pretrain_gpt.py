@@ -83,7 +83,7 @@ def uninterrupted(builds, tmp_path_factory):
 
 
 def test_two_ranks_train_and_the_loss_falls(uninterrupted):
-    assert [m["step"] for m in uninterrupted] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in uninterrupted] == list(range(STEPS))  # 0-based, as the serving state counts
     assert all(m["tokens"] == GLOBAL * SEQ and m["dp"] == 2 for m in uninterrupted)
     first = sum(m["loss"] for m in uninterrupted[:3]) / 3
     last = sum(m["loss"] for m in uninterrupted[-5:]) / 5
@@ -113,10 +113,11 @@ def test_a_run_stopped_halfway_resumes_on_another_number_of_ranks(builds, uninte
 def test_a_crash_inside_gradient_accumulation_resumes_from_the_last_step_boundary(builds, uninterrupted, tmp_path):
     _, build, _ = builds
     metrics = tmp_path / "metrics.jsonl"
-    # checkpoints every 10 steps; the job dies after the first micro-batch of step 15 (of 2 per rank)
+    # checkpoints every 10 steps; the job dies after the first micro-batch (of 2 per rank) of step
+    # 14, the fifteenth
     result = train(build, tmp_path / "ckpt", ranks=2, steps=STEPS, metrics=metrics, extra=["--save-interval", "10"],
-                   env={"PRETRAIN_GPT_CRASH_AT": "15:1"}, expect=1)
-    assert "exiting inside step 15" in result.stderr
+                   env={"PRETRAIN_GPT_CRASH_AT": "14:1"}, expect=1)
+    assert "exiting inside step 14" in result.stderr
     state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
     assert state["step"] == 10 and state["loader"]["step"] == 10 and state["loader"]["micro_batch"] == 0
     assert state["loader"]["consumed_samples"] == 10 * GLOBAL

@@ -1,9 +1,16 @@
-"""``tokenloom audit``: the realised mixture of a serving run, from its audit log."""
+"""``tokenloom audit``: the realised mixture of a serving run, from its audit log. ``tokenloom
+where`` / ``tokenloom find``: which documents a sample holds, and which samples hold a document."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,6 +59,139 @@ def run_audit(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _open_split(config: str, split: str):
+    import tokenloom
+
+    result = tokenloom.build(config)
+    if result.built_keys:
+        print(f"(built {len(result.built_keys)} missing item(s) into the cache first)", file=sys.stderr)
+    return result.split(split)
+
+
+def _positions(args: argparse.Namespace) -> np.ndarray:
+    if args.positions is not None:
+        text = args.positions
+        try:
+            if ":" in text:
+                first, last = (int(v) for v in text.split(":", 1))
+            else:
+                first = int(text)
+                last = first + 1
+        except ValueError:
+            raise ConfigError(f"--positions {text!r}; expected A:B (positions A to B-1) or one position") from None
+        if first < 0 or last <= first:
+            raise ConfigError(f"--positions {text!r}; expected 0 <= A < B")
+        return np.arange(first, last, dtype=np.int64)
+    if args.step is None or args.global_batch_size is None:
+        raise ConfigError("give --positions A:B, or --step S with --global-batch-size G")
+    if args.step < 0 or args.global_batch_size < 1:
+        raise ConfigError(f"--step {args.step} --global-batch-size {args.global_batch_size}; expected S >= 0, G >= 1")
+    return np.arange(args.step * args.global_batch_size, (args.step + 1) * args.global_batch_size, dtype=np.int64)
+
+
+def _decoder(store):
+    """A function from token ids to text, from the store's tokenizer record."""
+    record = (store.metadata or {}).get("tokenizer") or {}
+    kind = record.get("kind")
+    if kind == "bytes":
+        eod = record.get("eod_id")
+
+        def decode_bytes(ids) -> str:  # UTF-8 bytes; each end of document shown as <|eod|>
+            parts, run = [], bytearray()
+            for token in (int(t) for t in ids):
+                if token == eod:
+                    parts += [run.decode("utf-8", errors="replace"), "<|eod|>"]
+                    run = bytearray()
+                elif token < 256:
+                    run.append(token)
+            return "".join(parts) + run.decode("utf-8", errors="replace")
+
+        return decode_bytes
+    if kind == "huggingface" and record.get("path") and os.path.isfile(record["path"]):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("--text with a HuggingFace tokenizer needs the 'tokenizers' library "
+                              "(pip install 'tokenloom[tokenizers]')") from None
+        tokenizer = Tokenizer.from_file(record["path"])
+        return lambda ids: tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+    raise ConfigError(f"{store.prefix}: --text needs a tokenizer to decode with; the store records "
+                      f"{kind or 'none'}{' at ' + record['path'] + ' (missing)' if record.get('path') else ''}")
+
+
+def run_where(args: argparse.Namespace) -> int:
+    source = _open_split(args.config, args.split)
+    origins = source.where(_positions(args))
+    records = [origin.to_dict() for origin in origins]
+    if args.text:
+        decoders: dict[int, object] = {}
+        for origin, record in zip(origins, records):
+            reader = source.readers[origin.dataset]
+            if origin.dataset not in decoders:
+                decoders[origin.dataset] = _decoder(reader.store)
+            tokens = np.concatenate([reader.store.get(p.document, offset=p.offset, length=p.length)
+                                     for p in origin.pieces] or [np.zeros(0, dtype=np.int64)])
+            record["text"] = decoders[origin.dataset](tokens)
+    if args.json:
+        print(json.dumps(records))
+        return 0
+    for record in records:
+        print(f"position {record['position']}  dataset {record['dataset']} ({record['prefix']})  "
+              f"sample {record['sample']}")
+        for piece in record["pieces"]:
+            print(f"  document {piece['document']:>10}  tokens {piece['offset']}..{piece['offset'] + piece['length']}"
+                  f" ({piece['length']})")
+        if args.text:
+            print("  text: " + json.dumps(record["text"]))
+    return 0
+
+
+def run_find(args: argparse.Namespace) -> int:
+    from tokenloom.source.provenance import steps_of
+
+    source = _open_split(args.config, args.split)
+    positions = source.find(args.store, args.document)
+    out: dict = {"positions": [int(p) for p in positions]}
+    if args.global_batch_size is not None:
+        out["steps"] = [int(s) for s in steps_of(positions, args.global_batch_size)]
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"document {args.document} of {args.store}: {len(positions)} position(s) of the {args.split} split")
+    if positions.shape[0]:
+        print("positions: " + " ".join(str(p) for p in out["positions"]))
+    if "steps" in out:
+        print(f"steps (global batch size {args.global_batch_size}): " + " ".join(str(s) for s in out["steps"]))
+    return 0
+
+
 def register(subparsers) -> None:
     """Add this group's subcommands."""
     add_audit_parser(subparsers)
+    p = subparsers.add_parser(
+        "where", help="the dataset, store and document pieces of samples, by position or step (no replay)",
+        description="For samples of a built split (positions A:B, or one optimizer step's global batch), print "
+        "the global position, dataset, store and the document pieces (document id, first token, tokens) each "
+        "sample holds, in served order; read from the build's arrays (exact) or closed forms (stateless), at "
+        "the same cost for any position.")
+    p.add_argument("config", metavar="CONFIG", help="build config (YAML/JSON) of a built cache")
+    p.add_argument("--split", default="train", choices=("train", "valid", "test"))
+    p.add_argument("--positions", metavar="A:B", help="global positions A..B-1 (or one position)")
+    p.add_argument("--step", type=int, metavar="S", help="0-based optimizer step (with --global-batch-size)")
+    p.add_argument("--global-batch-size", type=int, metavar="G")
+    p.add_argument("--text", action="store_true", help="also decode each sample's tokens (needs a tokenizer record)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {position, dataset, prefix, sample, "
+                   "pieces: [{document, offset, length}]}")
+    p.set_defaults(run=run_where)
+    p = subparsers.add_parser(
+        "find", help="every global position (and step) whose sample holds a piece of one document",
+        description="Every global position of a built split whose sample holds tokens of document D of store "
+        "PREFIX, ascending (and the optimizer steps that serve them, given the global batch size): one pass over "
+        "memory-mapped arrays in exact mode, inverted permutations in stateless mode.")
+    p.add_argument("config", metavar="CONFIG", help="build config (YAML/JSON) of a built cache")
+    p.add_argument("--split", default="train", choices=("train", "valid", "test"))
+    p.add_argument("--store", required=True, metavar="PREFIX", help="the store, as the build config names it")
+    p.add_argument("--document", required=True, type=int, metavar="D", help="document id within the store")
+    p.add_argument("--global-batch-size", type=int, metavar="G", help="also list the 0-based steps")
+    p.add_argument("--json", action="store_true", help='print {"positions": [...]} (and "steps")')
+    p.set_defaults(run=run_find)

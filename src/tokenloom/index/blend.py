@@ -333,6 +333,31 @@ def _window_permute_numpy(offsets, window_index, length, keys):
     return x.astype(np.int64)
 
 
+def _window_unpermute_numpy(permuted, window_index, length, keys):
+    """The inverse of :func:`_window_permute_numpy`: offsets that permute to ``permuted``."""
+    bits = feistel_bits(length)
+    widths = []  # (w, h) of each round, in order
+    w = bits // 2
+    for _ in keys:
+        h = bits - w
+        widths.append((w, h))
+        w = h
+    x = permuted.astype(np.uint64)  # (n,) uint64
+    salt = window_index.astype(np.uint64) * _GOLDEN  # (n,) uint64, wraps
+    todo = np.arange(x.shape[0])
+    while todo.shape[0]:
+        y = x[todo]
+        s = salt[todo]
+        for key, (w, h) in zip(reversed(keys), reversed(widths)):
+            lo = y >> np.uint64(h)
+            f = _fmix(lo ^ key ^ s) & np.uint64((1 << h) - 1)
+            hi = (y & np.uint64((1 << h) - 1)) ^ f
+            y = (hi << np.uint64(w)) | lo
+        x[todo] = y
+        todo = todo[y >= np.uint64(length)]  # cycle walking, backwards
+    return x.astype(np.int64)
+
+
 def _lookup_in_chunks(positions, node_count, left_count, ratio, half, left, right, root, dataset_out, sample_out):
     """:func:`_lookup_numpy` a chunk of positions at a time (``ratio`` and ``half`` unused)."""
     for start in range(0, positions.shape[0], _CHUNK):
@@ -518,6 +543,76 @@ class Blend:
             )
         dataset_ids, sample_ids = self._walk(self._unshuffled(flat))
         return dataset_ids.reshape(p.shape), sample_ids.reshape(p.shape)
+
+    def positions_of(self, dataset_ids, sample_ids) -> np.ndarray:
+        """Blend positions of ``(dataset, sample)`` pairs: the inverse of :meth:`lookup`.
+
+        Walks each pair up the tree from its dataset's leaf, O(tree depth) per pair: at a node
+        with ``c_v`` samples whose left child has ``c_a``, the left child's slot ``k`` is the node's
+        slot ``ceil(((k + 1) c_v - c_v // 2) / c_a) - 1`` and the right child's slot ``k`` is
+        ``(c_v // 2 + k c_v) // (c_v - c_a)`` (the slots the walk down sends each way, solved for
+        the slot). Then the seeded order's window permutation is undone. int64, shaped like the ids.
+        """
+        d = np.asarray(dataset_ids)
+        s = np.asarray(sample_ids)
+        if d.dtype.kind not in "iu" or s.dtype.kind not in "iu" or d.shape != s.shape:
+            raise ConfigError(f"dataset_ids {d.shape} {d.dtype} and sample_ids {s.shape} {s.dtype}; expected "
+                              "integer arrays of one shape")
+        flat_d, flat_s = d.reshape(-1).astype(np.int64), s.reshape(-1).astype(np.int64)
+        if flat_d.shape[0]:
+            if flat_d.min() < 0 or flat_d.max() >= self.num_datasets:
+                raise ConfigError(f"dataset ids span [{flat_d.min()}, {flat_d.max()}]; the blend has "
+                                  f"{self.num_datasets} datasets")
+            over = np.flatnonzero((flat_s < 0) | (flat_s >= self.counts[flat_d]))
+            if over.shape[0]:
+                k = int(over[0])
+                raise ConfigError(f"sample {int(flat_s[k])} of dataset {int(flat_d[k])}: the blend takes "
+                                  f"{int(self.counts[flat_d[k]])} samples of it, so expected a sample in "
+                                  f"[0, {int(self.counts[flat_d[k]])})")
+        slot = flat_s.copy()
+        if self._root >= 0:
+            parent, is_left = self._parents()
+            node = -flat_d - 1  # (n,) the leaf of each pair's dataset
+            active = np.arange(slot.shape[0])
+            while active.shape[0]:
+                child = node[active]
+                index = np.where(child < 0, len(self._node_count) - child - 1, child)  # leaves after nodes
+                up = parent[index]
+                going = up >= 0
+                active, up, left_side, k = active[going], up[going], is_left[index[going]], slot[active[going]]
+                c_v, c_a = self._node_count[up], self._left_count[up]
+                half = c_v // 2
+                from_left = ((k + 1) * c_v - half + c_a - 1) // c_a - 1
+                from_right = (half + k * c_v) // np.maximum(c_v - c_a, 1)
+                slot[active] = np.where(left_side, from_left, from_right)
+                node[active] = up
+        if self.seed is not None and slot.shape[0]:
+            window = self.window
+            index = slot // window
+            offset = slot - index * window
+            last = (self.size - 1) // window
+            last_length = self.size - last * window
+            full = index != last
+            for mask, length in ((full, window), (~full, last_length)):
+                if np.any(mask):
+                    slot[mask] = index[mask] * window + _window_unpermute_numpy(offset[mask], index[mask], length,
+                                                                                self._window_keys)
+        return slot.reshape(d.shape)
+
+    def _parents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per internal node then per dataset leaf (``nodes + d``): its parent (-1: the root or no
+        samples) and whether it is its parent's left child."""
+        if getattr(self, "_parent_arrays", None) is None:
+            nodes = len(self._node_count)
+            parent = np.full(nodes + self.num_datasets, -1, dtype=np.int64)
+            is_left = np.zeros(nodes + self.num_datasets, dtype=bool)
+            for v in range(nodes):
+                for child, left in ((self._left[v], True), (self._right[v], False)):
+                    index = child if child >= 0 else nodes - child - 1
+                    parent[index] = v
+                    is_left[index] = left
+            self._parent_arrays = (parent, is_left)
+        return self._parent_arrays
 
     def materialize(self, *, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The whole blend: ``(dataset_ids, sample_ids)``, ``(size,)`` int16 (int32 from 32767

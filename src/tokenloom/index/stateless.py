@@ -230,6 +230,47 @@ class StatelessGPTIndex:
         packed = self._shuffle_checked(ids) if shuffled else ids
         return BACKENDS[self.backend].spans(self, packed)
 
+    def samples_holding(self, document: int) -> np.ndarray:
+        """Served sample ids (ascending) whose tokens include some of store document ``document``:
+        the inverse of :meth:`spans`, without a scan. Per epoch, the inverse document permutation
+        gives the document's position, the block prefix sums its first token, the token range the
+        packed samples over it, and the inverse sample shuffle their ids. Empty when the split does
+        not hold the document or it has no tokens."""
+        if self.document_ids is None:
+            local = int(document) - self.first_document_id
+            if not 0 <= local < self.num_documents:
+                return np.zeros(0, dtype=np.int64)
+        else:
+            found = np.flatnonzero(np.asarray(self.document_ids) == int(document))
+            if not found.shape[0]:
+                return np.zeros(0, dtype=np.int64)
+            local = int(found[0])
+        length = int(self.sequence_lengths[int(document)])
+        if length == 0:
+            return np.zeros(0, dtype=np.int64)
+        seq_length, extra = self.plan.seq_length, int(self.plan.add_extra_token)
+        n, block_size = self.num_documents, self.block_size
+        packed = []
+        for epoch in range(self.plan.num_epochs):
+            offset = int(self.document_permutation(epoch).inverse(np.array([local], dtype=np.int64))[0])
+            first = (offset // block_size) * block_size
+            before = np.arange(epoch * n + first, epoch * n + offset, dtype=np.int64)
+            t0 = int(self.block_token_starts[epoch * self.num_blocks_per_epoch + offset // block_size])
+            if before.shape[0]:
+                t0 += int(self._document_lengths(self.documents_at(before)).sum())
+            low = max(0, (t0 - extra) // seq_length)  # (k + 1) S + extra > t0
+            high = min(self.num_samples - 1, (t0 + length - 1) // seq_length)  # k S < t0 + length
+            if high >= low:
+                packed.append(np.arange(low, high + 1, dtype=np.int64))
+        if not packed:
+            return np.zeros(0, dtype=np.int64)
+        ids = np.concatenate(packed)
+        out = np.empty_like(ids)
+        for start, perm in self._sample_parts:  # the inverse shuffle of each part
+            inside = (ids >= start) & (ids < start + perm.size)
+            out[inside] = start + perm.apply_unchecked(ids[inside] - start, inverse=True)
+        return np.unique(out)
+
     def documents_at(self, positions) -> np.ndarray:
         """Store document id at each global position of the (virtual) ``document_index``."""
         positions = np.asarray(positions, dtype=np.int64)

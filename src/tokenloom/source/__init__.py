@@ -11,13 +11,16 @@ the serving stage *consumes* them (through the :class:`SampleSource` protocol):
 * ``memory`` -- :class:`StoreBlendSource` and :class:`StatelessBlendSource`: blended sources
   built in memory from token stores, without a build;
 * ``gather`` -- the compiled row-copying kernels the readers use;
-* ``keys`` -- canonical JSON and the one :func:`build_key` a serving state is checked against.
+* ``keys`` -- canonical JSON and the one :func:`build_key` a serving state is checked against;
+* ``provenance`` -- :func:`where` a sample's documents come from, :func:`find` the samples
+  holding a document, without replaying the stream.
 """
 
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, read_by_dataset
 from tokenloom.source.keys import build_key, canonical_json, hash_key
 from tokenloom.source.memory import MEGATRON_SURPLUS, StatelessBlendSource, StoreBlendSource
 from tokenloom.source.protocol import DatasetInfo, SampleSource, read_positions
+from tokenloom.source.provenance import Piece, SampleOrigin, find, steps_of, where
 from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, gather_gpt_samples, resolve_eod
 
 __all__ = [
@@ -29,15 +32,20 @@ __all__ = [
     "DatasetReader",
     "DirectLocator",
     "MegatronReader",
+    "Piece",
+    "SampleOrigin",
     "SampleSource",
     "StatelessBlendSource",
     "StatelessReader",
     "StoreBlendSource",
     "build_key",
     "canonical_json",
+    "find",
     "gather_gpt_samples",
     "hash_key",
     "read_by_dataset",
     "read_positions",
     "resolve_eod",
+    "steps_of",
+    "where",
 ]

@@ -197,6 +197,21 @@ class BlendedSource:
         """Tokens of one blend position (megatron-core's ``BlendedDataset[i]["text"]``)."""
         return self.read_samples(*self.locate(np.array([position])))[0]
 
+    # -- provenance (tokenloom.source.provenance) -----------------------------------------------
+    def where(self, positions) -> list:
+        """The dataset, store and document pieces of the sample at each global position
+        (:func:`tokenloom.source.provenance.where`)."""
+        from tokenloom.source.provenance import where
+
+        return where(self, positions)
+
+    def find(self, prefix: str, document: int) -> np.ndarray:
+        """Ascending global positions whose sample holds tokens of ``prefix``'s document
+        ``document`` (:func:`tokenloom.source.provenance.find`)."""
+        from tokenloom.source.provenance import find
+
+        return find(self, prefix, document)
+
     # -- views of the locator -------------------------------------------------------------------
     @property
     def dataset_index(self) -> np.ndarray | None:

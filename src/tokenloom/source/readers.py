@@ -25,7 +25,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError, FormatError
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
-from tokenloom.index.stateless import StatelessGPTIndex
+from tokenloom.index.stateless import SampleSpans, StatelessGPTIndex
 from tokenloom.io import IndexedDataset
 from tokenloom.source.gather import gather_kernels
 
@@ -166,6 +166,11 @@ class DatasetReader:
         """Write sample ``sample_ids[k]`` (served order) into ``out[out_rows[k]]``."""
         raise NotImplementedError
 
+    def spans(self, sample_ids) -> SampleSpans:
+        """The document pieces of samples ``sample_ids`` (served order): which documents of the
+        store, from which token and how many, each sample reads (provenance, without the tokens)."""
+        raise NotImplementedError
+
     def read(self, sample_ids, *, backend: str | None = None) -> np.ndarray:
         """``(len(sample_ids), seq_length + add_extra_token)`` int64 tokens."""
         sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
@@ -191,6 +196,27 @@ class MegatronReader(DatasetReader):
         gather_gpt_samples(self.indices, self.store, sample_ids, pad_id=self.pad_id, backend=backend, out=out,
                            out_rows=out_rows)
 
+    def spans(self, sample_ids) -> SampleSpans:
+        # the pieces megatron-core's GPTDataset reads: from the first position's offset to the
+        # last position's offset (plus the extra token), whole documents between
+        indices = self.indices
+        sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
+        extra = int(indices.plan.add_extra_token)
+        rows = indices.shuffle_index[sample_ids].astype(np.int64)  # (B,)
+        begin = indices.sample_index[rows].astype(np.int64)  # (B, 2): position, offset
+        end = indices.sample_index[rows + 1].astype(np.int64)  # (B, 2)
+        num_parts = end[:, 0] - begin[:, 0] + 1  # (B,)
+        bounds = np.zeros(sample_ids.shape[0] + 1, dtype=np.int64)
+        np.cumsum(num_parts, out=bounds[1:])
+        sample_of_part = np.repeat(np.arange(sample_ids.shape[0]), num_parts)  # (P,)
+        positions = begin[sample_of_part, 0] + (np.arange(sample_of_part.shape[0]) - bounds[sample_of_part])
+        documents = indices.document_index[positions].astype(np.int64)  # (P,)
+        offsets = np.where(positions == begin[sample_of_part, 0], begin[sample_of_part, 1], 0)
+        lengths = self.store.sequence_lengths[documents].astype(np.int64)
+        stops = np.where(positions == end[sample_of_part, 0], end[sample_of_part, 1] + extra, lengths)
+        return SampleSpans(bounds=bounds, document_ids=documents, offsets=offsets, lengths=stops - offsets,
+                           positions=positions)
+
 
 class StatelessReader(DatasetReader):
     """A dataset on tokenloom's stateless index: every sample is a whole window of tokens."""
@@ -204,6 +230,9 @@ class StatelessReader(DatasetReader):
         spans = self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
         gather_kernels(backend).span_rows(self.store, spans, -1, out,
                                                             np.ascontiguousarray(out_rows, dtype=np.int64))
+
+    def spans(self, sample_ids) -> SampleSpans:
+        return self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
 
 
 __all__ = ["DatasetReader", "MegatronReader", "StatelessReader", "StoreOpener", "gather_gpt_samples", "resolve_eod"]
