@@ -11,7 +11,7 @@ import pytest
 import tokenloom
 from tokenloom.cli import build_parser
 
-COMMANDS = {"plan", "tokenize", "inspect", "merge", "build", "cache", "audit", "demo"}
+COMMANDS = {"plan", "tokenize", "inspect", "merge", "build", "cache", "audit", "where", "find", "demo"}
 
 
 def test_the_parser_has_every_command():

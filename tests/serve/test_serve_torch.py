@@ -139,3 +139,19 @@ def test_distributed_batches_fetch_whole_steps_and_resume_mid_step(source):
     resumed.load_state_dict(first.state_dict())
     tail = list(resumed)
     _assert_batches_equal(head + tail, expected)
+
+
+def test_distributed_batches_skip_steps_after_reading_ahead(source):
+    from tokenloom.serve.torch_adapter import DistributedBatches
+
+    topology = Topology(dp=2)
+    geometry = BatchGeometry(global_batch_size=8, micro_batch_size=2, dp=2)  # 2 micro-batches per step
+    reference = RankLoader(source, geometry, topology=topology, rank=1, options=OPTIONS, max_steps=8)
+    expected = [reference.next_batch() for _ in range(4)]
+    reference.skip_steps(3, 5)
+    expected += list(reference)
+    batches = DistributedBatches(source, geometry, topology, 1, options=OPTIONS, num_workers=1, max_steps=8)
+    got = [batches.next_batch() for _ in range(4)]  # its worker has read steps 2 and 3 ahead by now
+    batches.skip_steps(3, 5)
+    got += list(batches)
+    _assert_batches_equal(got, expected)

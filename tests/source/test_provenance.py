@@ -138,7 +138,7 @@ def test_blend_positions_of_refuses_samples_the_blend_does_not_take():
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=60), st.integers(2, 20), st.booleans(),
        st.integers(1, 400), st.sampled_from([1, 2, 4, 16]), st.integers(0, 2**40), st.booleans())
 def test_stateless_samples_holding_inverts_spans(lengths, seq_length, extra, num_samples, block_size, seed, subset):
-    lengths = np.asarray(lengths + [5], dtype=np.int32)  # a last document with tokens
+    lengths = np.asarray([*lengths, 5], dtype=np.int32)  # a last document with tokens
     ids = np.arange(0, lengths.shape[0], 2, dtype=np.int64) if subset else None
     tokens = int((lengths[ids] if ids is not None else lengths).sum())
     if tokens < seq_length + 1:

@@ -31,16 +31,18 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from tokenloom.serve.audit import read_audit_log, summarize_audit
+    from tokenloom.serve.audit import read_audit_log, summarize_audit, summarize_skips
 
     log = read_audit_log(args.log)
     rows = summarize_audit(log)
+    skips = summarize_skips(log)
     last_steps = log.records[-args.steps:] if args.steps > 0 else []
     worst = max((abs(r["drift"]) for r in rows), default=0.0)
     failed = args.max_drift is not None and worst > args.max_drift
     if args.json:
         print(json.dumps({"log": args.log, "build_key": log.header["build_key"], "steps": len(log.records),
-                          "datasets": rows, "last_steps": last_steps, "max_abs_final_drift": worst}))
+                          "datasets": rows, "last_steps": last_steps, "max_abs_final_drift": worst,
+                          "skipped": skips}))
         return 1 if failed else 0
     print(f"{args.log}: build {log.header['build_key'][:16]}  steps {len(log.records)}  "
           f"seq_length {log.header['seq_length']}")
@@ -50,6 +52,10 @@ def run_audit(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"| {r['dataset']:<{width}} | {r['target']:.4f} | {r['tokens']:,} | {r['realised']:.4f} | "
               f"{r['drift']:+.4f} | {r['max_abs_drift']:.4f} |")
+    if skips["skipped_samples"]:
+        steps = skips["steps"]
+        print(f"skipped {skips['skipped_samples']:,} samples in {len(skips['ranges'])} range(s), jumped before "
+              f"step(s) {', '.join(str(s) for s in steps[:10])}{' ...' if len(steps) > 10 else ''}")
     for record in last_steps:
         print(f"step {record['step']:>6}  consumed {record['consumed_samples']:>10,}  "
               f"batch {record['global_batch_size']:>5}"

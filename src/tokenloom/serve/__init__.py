@@ -15,6 +15,7 @@ from tokenloom.serve.audit import (
     batch_fingerprint,
     read_audit_log,
     summarize_audit,
+    summarize_skips,
 )
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema, read_fields
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
@@ -80,4 +81,5 @@ __all__ = [
     "read_positions",
     "simulate_job",
     "summarize_audit",
+    "summarize_skips",
 ]

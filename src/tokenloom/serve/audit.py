@@ -15,6 +15,9 @@ fingerprint hashes the build key and the global batch's ``(dataset_id, sample_id
 stream order, so any rank computes it
 without reading tokens, and two runs that serve the same samples in the same order agree.
 On resume the next step's fingerprint is checked against the log when the log has that step.
+A step served right after positions taken out of the stream (skipped steps, quarantined
+documents) also has ``"skipped": [[begin, end], ...]`` (underlying stream positions) and
+``"skipped_samples"``; :func:`summarize_skips` totals them.
 """
 
 from __future__ import annotations
@@ -80,6 +83,17 @@ class MixtureAudit:
                   "tokens": [int(t) for t in tokens], "cumulative_tokens": [int(t) for t in self._cumulative],
                   "target_weights": [float(t) for t in target], "drift": [float(d) for d in drift],
                   "fingerprint": batch_fingerprint(source.build_key, dataset_ids, sample_ids)}
+        # positions taken out of the stream (skipped steps, quarantined documents) since the last
+        # position served before this step, up to this step's last: this step jumped them
+        if stream.skips or stream.quarantined.shape[0]:
+            start = sampler.step_start
+            last = start + int(dataset_ids.shape[0]) - 1
+            edges = stream.underlying(np.array([max(start - 1, 0), last]))
+            low = int(edges[0]) + 1 if start > 0 else 0
+            skipped = stream.skipped_between(low, int(edges[1]) + 1)
+            if skipped:
+                record["skipped"] = [[a, b] for a, b in skipped]
+                record["skipped_samples"] = sum(b - a for a, b in skipped)
         self.records.append(record)
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
@@ -114,7 +128,8 @@ class MixtureAudit:
 
 def expected_samples(stream, position: int) -> np.ndarray:
     """(num_datasets,) float64: samples the weights in force asked of each dataset in ``[0, position)``."""
-    bounds = [0] + [s.start for s in stream.segments if s.start < position] + [position]
+    starts = [stream.logical(s.start) for s in stream.segments]  # segments start at underlying positions
+    bounds = [0] + [start for start in starts if start < position] + [position]
     expected = np.zeros(len(stream.source.datasets))
     for begin, end in itertools.pairwise(bounds):
         expected += np.asarray(stream.target_weights(begin)) * (end - begin)
@@ -185,5 +200,16 @@ def summarize_audit(log: AuditLog) -> list[dict[str, Any]]:
     return rows
 
 
+def summarize_skips(log: AuditLog) -> dict[str, Any]:
+    """Samples the logged steps jumped (skipped steps, quarantined documents): their total, the
+    ranges of underlying positions, and the steps served right after each."""
+    ranges, steps = [], []
+    for record in log.records:
+        if record.get("skipped"):
+            ranges += [list(r) for r in record["skipped"]]
+            steps.append(record["step"])
+    return {"skipped_samples": sum(b - a for a, b in ranges), "ranges": ranges, "steps": steps}
+
+
 __all__ = ["AUDIT_FORMAT", "AUDIT_VERSION", "AuditLog", "MixtureAudit", "batch_fingerprint",
-           "read_audit_log", "summarize_audit"]
+           "read_audit_log", "summarize_audit", "summarize_skips"]

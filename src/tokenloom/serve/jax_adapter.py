@@ -94,6 +94,14 @@ class HostLoader:
         """Resume, on any process count, between steps."""
         self._loader.load_state_dict(state)
 
+    def skip_steps(self, first: int, stop: int) -> None:
+        """Skip the samples of steps ``[first, stop)`` (every process, between steps)."""
+        self._loader.skip_steps(first, stop)
+
+    def quarantine(self, items) -> None:
+        """Quarantine ``(store prefix, document id)`` pairs from the next step on (every process)."""
+        self._loader.quarantine(items)
+
 
 def make_global_batch(host_batch: dict[str, np.ndarray], mesh, data_axis: str | tuple[str, ...] = "data") -> dict:
     """Assemble every process's rows into global ``jax.Array``s sharded along ``data_axis``.

@@ -93,6 +93,16 @@ class RankSchedule:
         """Layout-free state; identical on every rank."""
         return self.sampler.state_dict()
 
+    def skip_steps(self, first: int, stop: int) -> None:
+        """Never serve the samples of steps ``[first, stop)``; later steps get the samples that
+        follow (:meth:`MicroBatchSampler.skip_steps`). Call it on every rank, between steps."""
+        self.sampler.skip_steps(first, stop)
+
+    def quarantine(self, items) -> None:
+        """Never serve a sample holding a piece of any ``(store prefix, document id)`` of
+        ``items`` from the next step on (:meth:`MicroBatchSampler.quarantine`). Every rank, between steps."""
+        self.sampler.quarantine(items)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (on any layout, between steps); when an audit log is attached, the next step's
         fingerprint is checked against it."""

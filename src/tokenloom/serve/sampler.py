@@ -1,8 +1,9 @@
 """Which global positions each data-parallel rank reads, step after step, and the state to resume.
 
 The state is the global count of consumed samples (plus where inside a step the run stopped),
-the build key, the schema version, and any blend weight changes. Nothing in it depends on the
-layout, so a run saved at dp=4 resumes at dp=2 or dp=8 on the identical global stream.
+the build key, the schema version, any blend weight changes, and the positions taken out of the
+stream (skipped steps, quarantined documents). Nothing in it depends on the layout, so a run
+saved at dp=4 resumes at dp=2 or dp=8 on the identical global stream.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tokenloom.source import SampleSource
 from tokenloom.validate import is_integer
 
 STATE_FORMAT = "tokenloom-serve-state"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 1 (before skips and quarantines) reads as a state with neither."""
 
 
 class MicroBatchSampler:
@@ -139,6 +142,46 @@ class MicroBatchSampler:
                               f"micro-batches of step {self.step} are already served")
         self.stream = self.stream.reweighted(self.step_start, weights)
 
+    # -- skips ----------------------------------------------------------------------------------
+    def skip_steps(self, first: int, stop: int) -> None:
+        """Never serve the samples steps ``[first, stop)`` (0-based, global) would serve now:
+        step ``first`` gets the samples that would have come after them, and so on (after a loss
+        spike: resume from a checkpoint before it and skip the steps around it). ``first`` is
+        this step or a later one; between steps only. The skip is part of the state."""
+        if self.micro_batch:
+            raise ConfigError(f"steps can be skipped between steps only; {self.micro_batch} micro-batches of "
+                              f"step {self.step} are already served")
+        if not (is_integer(first) and is_integer(stop)) or not self.step <= first <= stop:
+            raise ConfigError(f"skip steps [{first}, {stop}); expected {self.step} <= first <= stop (step "
+                              f"{self.step} is the next to serve; load an earlier state to skip earlier steps)")
+        begin = self.step_start
+        for _ in range(self.step, first):  # the logical positions of those steps, batch ramp included
+            begin += self.geometry.global_batch_size_at(begin)
+        end = begin
+        for _ in range(first, stop):
+            end += self.geometry.global_batch_size_at(end)
+        end = min(end, self.stream.num_samples)
+        self.stream = self.stream.skipped(min(begin, end), end)
+
+    def quarantine(self, items) -> None:
+        """Never serve, from the next step on, a sample holding a piece of any of ``items``:
+        ``(store prefix, document id)`` pairs (the build's split must be the source). Later steps
+        get the samples that follow; weight changes after this keep the quarantine. Between steps
+        only; part of the state."""
+        if self.micro_batch:
+            raise ConfigError(f"documents can be quarantined between steps only; {self.micro_batch} "
+                              f"micro-batches of step {self.step} are already served")
+        pairs = []
+        for item in items:
+            try:
+                prefix, document = item
+            except (TypeError, ValueError):
+                raise ConfigError(f"quarantine item {item!r}; expected a (store prefix, document id) pair") from None
+            if not isinstance(prefix, str) or not is_integer(document) or document < 0:
+                raise ConfigError(f"quarantine item {item!r}; expected a (store prefix, document id) pair")
+            pairs.append((prefix, int(document)))
+        self.stream = self.stream.quarantined_from(self.step_start, pairs)
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready, layout-free state (see FORMAT.md, "Serving state")."""
@@ -152,6 +195,9 @@ class MicroBatchSampler:
             "micro_batch": self.micro_batch,
             "samples_per_micro_step": self.geometry.samples_per_micro_step,
             "blend_segments": [s.to_dict() for s in self.stream.segments],
+            "skipped_ranges": [list(r) for r in self.stream.skips],
+            "quarantine": [{"prefix": p, "document": d} for p, d in self.stream.quarantine],
+            "quarantined_positions": [int(p) for p in self.stream.quarantined],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,7 +211,15 @@ class MicroBatchSampler:
                 f"{self.geometry.samples_per_micro_step}. Resume on another layout from a state "
                 "saved between steps")
         segments = tuple(BlendSegment.from_dict(s) for s in state.get("blend_segments", []))
-        stream = SampleStream(self.source, segments)
+        try:
+            skips = tuple((int(a), int(b)) for a, b in state.get("skipped_ranges", []))
+            quarantine = tuple((str(q["prefix"]), int(q["document"])) for q in state.get("quarantine", []))
+            quarantined = np.asarray([int(p) for p in state.get("quarantined_positions", [])], dtype=np.int64)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"serving state: malformed skipped_ranges / quarantine / quarantined_positions "
+                              f"({exc}); expected [[begin, end], ...], [{{prefix, document}}, ...], "
+                              "[positions]") from None
+        stream = SampleStream(self.source, segments, skips=skips, quarantine=quarantine, quarantined=quarantined)
         self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
         self.stream = stream
 
@@ -175,9 +229,9 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ConfigError(f"not a tokenloom serving state (format {found!r}, expected {STATE_FORMAT!r})")
-    if state.get("schema_version") != SCHEMA_VERSION:
+    if state.get("schema_version") not in READABLE_VERSIONS:
         raise ConfigError(f"serving state schema version {state.get('schema_version')!r}; this tokenloom "
-                          f"reads version {SCHEMA_VERSION}")
+                          f"reads versions {list(READABLE_VERSIONS)}")
     if state.get("build_key") != build_key:
         raise ConfigError(
             f"the serving state belongs to build {str(state.get('build_key'))[:16]}..., but this source is "
@@ -189,4 +243,4 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
             raise ConfigError(f"serving state field {name}={value!r}; expected a non-negative integer")
 
 
-__all__ = ["SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state"]
+__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state"]

@@ -12,6 +12,16 @@ every dataset's remaining samples (``Blend`` counts are exact, so no prefix of t
 a dataset for more than it has); the stream ends where the last segment's blend ends.
 
 A segment lives in the serving state, so a run resumed later, on any layout, sees the same stream.
+
+**Skips.** Positions can be taken out of the stream from some point on: the samples of a range of
+future steps (after a loss spike, as PaLM did) or every sample holding a piece of a quarantined
+document. The stream then serves the remaining positions in the same order: logical position
+``L`` (what the sampler counts) is the ``L``-th position of the *underlying* stream (the source and
+its segments) not taken out, so later steps get the samples that followed, and batches stay full.
+The taken-out positions are kept as underlying positions (ranges for steps, single positions for
+quarantined documents) in the serving state, so a resume on any layout skips the same samples. A
+quarantine applies to positions not yet served when it is given, and to the segments of weight
+changes that come after it.
 """
 
 from __future__ import annotations
@@ -50,15 +60,18 @@ class BlendSegment:
 
 
 class SampleStream:
-    """Global positions -> (dataset, sample) -> tokens, over a source and its weight changes."""
+    """Global positions -> (dataset, sample) -> tokens, over a source, its weight changes and the
+    positions taken out of it (see the module's docstring)."""
 
-    def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = ()) -> None:
+    def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = (), *,
+                 skips: tuple[tuple[int, int], ...] = (), quarantine: tuple[tuple[str, int], ...] = (),
+                 quarantined: np.ndarray | None = None) -> None:
         self.source = source
         self.segments = tuple(segments)
         self._blends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.num_samples = source.num_samples
-        """Positions the stream can serve (fewer than the source's after a weight change when a
-        dataset's index runs out)."""
+        self.underlying_samples = source.num_samples
+        """Positions of the underlying stream (the source and its segments): fewer than the
+        source's after a weight change when a dataset's index runs out."""
         for k, segment in enumerate(self.segments):
             if len(segment.weights) != len(source.datasets):
                 raise ConfigError(f"a blend segment has {len(segment.weights)} weights; the source has "
@@ -66,7 +79,47 @@ class SampleStream:
             if k and segment.start <= self.segments[k - 1].start:
                 raise ConfigError("blend segments must start at increasing positions")
         if self.segments:
-            self.num_samples = self._usable_length()
+            self.underlying_samples = self._usable_length()
+        self.skips = _merge(skips)
+        """Underlying position ranges ``[begin, end)`` taken out for skipped steps."""
+        self.quarantine = tuple((str(p), int(d)) for p, d in quarantine)
+        """Quarantined ``(store prefix, document)`` pairs, in the order given."""
+        self.quarantined = (np.zeros(0, dtype=np.int64) if quarantined is None
+                            else np.unique(np.asarray(quarantined, dtype=np.int64)))
+        """Underlying positions taken out because their sample holds a quarantined document."""
+        gaps = _merge([*self.skips, *((int(p), int(p) + 1) for p in self.quarantined)])
+        gaps = [(a, min(b, self.underlying_samples)) for a, b in gaps if a < self.underlying_samples]
+        self._gap_begins = np.array([a for a, _ in gaps], dtype=np.int64)
+        lengths = np.array([b - a for a, b in gaps], dtype=np.int64)
+        self._gap_before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # (G + 1,)
+        self._gap_logical = self._gap_begins - self._gap_before[:-1]  # logical position each gap follows
+        self.num_samples = self.underlying_samples - int(self._gap_before[-1])
+        """Positions the stream serves (the underlying ones not taken out)."""
+
+    # -- logical and underlying positions -------------------------------------------------------
+    def underlying(self, positions) -> np.ndarray:
+        """Underlying positions of logical ``positions`` (int64, same shape): the ``L``-th
+        position not taken out. ``L == num_samples`` maps past the last served position."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if not self._gap_begins.shape[0]:
+            return positions.copy()
+        passed = np.searchsorted(self._gap_logical, positions, side="right")
+        return positions + self._gap_before[passed]
+
+    def logical(self, underlying: int) -> int:
+        """The logical position of underlying position ``underlying`` (of the first served
+        position at or after it, when it is taken out)."""
+        taken = sum(b - a for a, b in self.skipped_between(0, int(underlying)))
+        return int(underlying) - taken
+
+    def skipped_between(self, begin: int, end: int) -> list[tuple[int, int]]:
+        """The taken-out underlying ranges inside ``[begin, end)`` (merged, clipped)."""
+        out = []
+        for a, length in zip(self._gap_begins.tolist(), np.diff(self._gap_before).tolist()):
+            lo, hi = max(a, begin), min(a + length, end)
+            if lo < hi:
+                out.append((lo, hi))
+        return out
 
     # -- lookups --------------------------------------------------------------------------------
     def _segment_blend(self, k: int) -> tuple[Blend, np.ndarray]:
@@ -79,13 +132,18 @@ class SampleStream:
         return self._blends[k]
 
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
-        """``(dataset_ids, sample_ids)`` int64 for global positions."""
+        """``(dataset_ids, sample_ids)`` int64 for the stream's (logical) global positions."""
         positions = np.asarray(positions, dtype=np.int64)
-        if not self.segments:
+        if not self.segments and not self._gap_begins.shape[0]:
             return self.source.locate(positions)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise ConfigError(f"positions span [{int(positions.min())}, {int(positions.max())}]; "
                               f"the stream serves [0, {self.num_samples})")
+        return self._locate_underlying(self.underlying(positions))
+
+    def _locate_underlying(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self.segments:
+            return self.source.locate(positions)
         starts = np.array([s.start for s in self.segments], dtype=np.int64)
         which = np.searchsorted(starts, positions, side="right") - 1  # -1: before any change
         dataset_ids = np.empty(positions.shape, dtype=np.int64)
@@ -106,19 +164,79 @@ class SampleStream:
         return self.source.read_samples(dataset_ids, sample_ids), dataset_ids
 
     def samples_reached(self, position: int) -> np.ndarray:
-        """(num_datasets,) int64: samples each dataset gave in positions ``[0, position)``."""
+        """(num_datasets,) int64: samples each dataset served in logical positions ``[0, position)``."""
+        return self._count(position, self.locate)
+
+    def _count(self, position: int, locate) -> np.ndarray:
         counts = np.zeros(len(self.source.datasets), dtype=np.int64)
         for begin in range(0, position, _COUNT_CHUNK):
-            dataset_ids, _ = self.locate(np.arange(begin, min(position, begin + _COUNT_CHUNK)))
+            dataset_ids, _ = locate(np.arange(begin, min(position, begin + _COUNT_CHUNK)))
             counts += np.bincount(dataset_ids, minlength=counts.shape[0])
         return counts
 
     def target_weights(self, position: int) -> tuple[float, ...]:
-        """Weights in force at ``position``."""
+        """Weights in force at logical ``position``."""
+        underlying = int(self.underlying(np.array([position]))[0])
         for segment in reversed(self.segments):
-            if position >= segment.start:
+            if underlying >= segment.start:
                 return segment.weights
         return tuple(d.weight for d in self.source.datasets)
+
+    # -- skips ----------------------------------------------------------------------------------
+    def skipped(self, begin: int, end: int) -> SampleStream:
+        """This stream without logical positions ``[begin, end)`` (``begin`` at or after the
+        positions already served, which the caller knows): what follows moves up."""
+        if not 0 <= begin <= end <= self.num_samples:
+            raise ConfigError(f"skip [{begin}, {end}); expected a range inside the stream's [0, {self.num_samples})")
+        if begin == end:
+            return self
+        # the range, in underlying positions, minus what is already out
+        low, high = (int(u) for u in self.underlying(np.array([begin, end - 1])))
+        ranges, cursor = [], low
+        for a, b in self.skipped_between(low, high + 1):
+            if a > cursor:
+                ranges.append((cursor, a))
+            cursor = b
+        if cursor <= high:
+            ranges.append((cursor, high + 1))
+        return self._with(skips=(*self.skips, *ranges))
+
+    def quarantined_from(self, position: int, items: list[tuple[str, int]]) -> SampleStream:
+        """This stream without the positions at or after logical ``position`` whose sample holds
+        a piece of one of the ``(store prefix, document)`` ``items`` (in every segment)."""
+        start = int(self.underlying(np.array([position]))[0])
+        found = [self._holding(prefix, document, start) for prefix, document in items]
+        new = tuple(item for item in items if item not in self.quarantine)
+        return self._with(quarantine=(*self.quarantine, *new),
+                          quarantined=np.concatenate([self.quarantined, *found]))
+
+    def _holding(self, prefix: str, document: int, start: int) -> np.ndarray:
+        """Underlying positions at or after ``start`` whose sample holds tokens of the document."""
+        from tokenloom.source import BlendedSource
+        from tokenloom.source.provenance import positions_of, samples_holding
+
+        if not isinstance(self.source, BlendedSource):
+            raise ConfigError(f"quarantining a document needs the split of a build (a BlendedSource), not "
+                              f"{type(self.source).__name__}")
+        bounds = [s.start for s in self.segments] + [self.underlying_samples]
+        out = []
+        for d, sample_ids in samples_holding(self.source, prefix, document).items():
+            base = positions_of(self.source, d, sample_ids)
+            out.append(base[base < bounds[0]])
+            for k, segment in enumerate(self.segments):
+                blend, offsets = self._segment_blend(k)
+                local = sample_ids - offsets[d]
+                local = local[(local >= 0) & (local < int(blend.counts[d]))]
+                positions = segment.start + blend.positions_of(np.full(local.shape[0], d, dtype=np.int64), local)
+                out.append(positions[positions < bounds[k + 1]])
+        found = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return found[found >= start]
+
+    def _with(self, **changes) -> SampleStream:
+        fields = {"segments": self.segments, "skips": self.skips, "quarantine": self.quarantine,
+                  "quarantined": self.quarantined}
+        fields.update(changes)
+        return SampleStream(self.source, fields.pop("segments"), **fields)
 
     # -- weight changes -------------------------------------------------------------------------
     def reweighted(self, position: int, weights) -> SampleStream:
@@ -132,11 +250,18 @@ class SampleStream:
             raise ConfigError(f"weights={w.tolist()}; expected finite non-negative numbers, not all zero")
         if not 0 <= position <= self.num_samples:
             raise ConfigError(f"position={position}; expected one in [0, {self.num_samples}]")
-        kept = tuple(s for s in self.segments if s.start < position)
-        offsets = self.samples_reached(position)
-        segment = BlendSegment(start=int(position), weights=tuple((w / w.sum()).tolist()),
+        start = int(self.underlying(np.array([position]))[0])
+        kept = tuple(s for s in self.segments if s.start < start)
+        # every dataset continues after its samples before `start`, served or taken out
+        offsets = self._count(start, self._locate_underlying)
+        segment = BlendSegment(start=start, weights=tuple((w / w.sum()).tolist()),
                                dataset_offsets=tuple(int(o) for o in offsets))
-        return SampleStream(self.source, (*kept, segment))
+        stream = SampleStream(self.source, (*kept, segment), skips=self.skips, quarantine=self.quarantine,
+                              quarantined=self.quarantined[self.quarantined < start])
+        if not self.quarantine:
+            return stream
+        found = [stream._holding(prefix, document, start) for prefix, document in self.quarantine]
+        return stream._with(quarantined=np.concatenate([stream.quarantined, *found]))
 
     def _usable_length(self) -> int:
         """Positions served before some dataset would need a sample its index does not hold."""
@@ -146,6 +271,17 @@ class SampleStream:
             if segment.start + len(blend) < end:
                 return segment.start + len(blend)
         return self.source.num_samples
+
+
+def _merge(ranges) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint, non-adjacent ``[begin, end)`` ranges covering the same positions."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges if int(b) > int(a)):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
 
 
 def segment_length(weights, room: np.ndarray, limit: int) -> int:

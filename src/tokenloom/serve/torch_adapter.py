@@ -167,6 +167,16 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         """Change blend weights from the start position on (call before iterating)."""
         self._start.reweight(weights)
 
+    def skip_steps(self, first: int, stop: int) -> None:
+        """Skip the samples of steps ``[first, stop)`` (call before iterating; see
+        :meth:`~tokenloom.serve.sampler.MicroBatchSampler.skip_steps`)."""
+        self._start.skip_steps(first, stop)
+
+    def quarantine(self, items) -> None:
+        """Quarantine ``(store prefix, document id)`` pairs from the start position on (call
+        before iterating; see :meth:`~tokenloom.serve.sampler.MicroBatchSampler.quarantine`)."""
+        self._start.quarantine(items)
+
 
 def build_dataloader(source: SampleSource, geometry: BatchGeometry, *, topology: Topology | None = None,
                      rank: int = 0, options: SampleOptions = SampleOptions(), num_workers: int = 0,
@@ -310,6 +320,16 @@ class DistributedBatches(RankSchedule):
         """Resume (on any layout, between steps); the DataLoader restarts from there."""
         self._iterator = None
         super().load_state_dict(state)
+
+    def skip_steps(self, first: int, stop: int) -> None:
+        """As :meth:`RankSchedule.skip_steps`; the DataLoader restarts after what it read ahead."""
+        super().skip_steps(first, stop)
+        self._iterator = None
+
+    def quarantine(self, items) -> None:
+        """As :meth:`RankSchedule.quarantine`; the DataLoader restarts after what it read ahead."""
+        super().quarantine(items)
+        self._iterator = None
 
 
 __all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes",

@@ -124,12 +124,12 @@ def _samples_holding_exact(indices: GPTIndices, sequence_lengths: np.ndarray, do
     return np.concatenate(found)
 
 
-def find(source: BlendedSource, prefix: str, document: int) -> np.ndarray:
-    """Ascending global positions of ``source`` whose sample holds tokens of store ``prefix``'s
-    document ``document``."""
+def samples_holding(source: BlendedSource, prefix: str, document: int) -> dict[int, np.ndarray]:
+    """Dataset id -> its sample ids (ascending) whose tokens include some of store ``prefix``'s
+    document ``document``, for every dataset of ``source`` that reads that store."""
     if isinstance(document, bool) or not isinstance(document, (int, np.integer)) or document < 0:
         raise ConfigError(f"document={document!r}; expected a document id (a non-negative integer)")
-    found: list[np.ndarray] = []
+    out: dict[int, np.ndarray] = {}
     for d in datasets_of(source, prefix):
         reader = source.readers[d]
         if document >= reader.store.num_sequences:
@@ -137,15 +137,22 @@ def find(source: BlendedSource, prefix: str, document: int) -> np.ndarray:
                               f"{reader.store.num_sequences} documents (ids 0 .. {reader.store.num_sequences - 1})")
         indices = reader.indices
         if isinstance(indices, GPTIndices):
-            sample_ids = _samples_holding_exact(indices, reader.store.sequence_lengths, int(document))
+            out[d] = np.unique(_samples_holding_exact(indices, reader.store.sequence_lengths, int(document)))
         else:
-            sample_ids = indices.samples_holding(int(document))
-        found.append(_positions_of(source, d, sample_ids))
+            out[d] = indices.samples_holding(int(document))
+    return out
+
+
+def find(source: BlendedSource, prefix: str, document: int) -> np.ndarray:
+    """Ascending global positions of ``source`` whose sample holds tokens of store ``prefix``'s
+    document ``document``."""
+    found = [positions_of(source, d, sample_ids) for d, sample_ids in samples_holding(source, prefix, document).items()]
     return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
 
-def _positions_of(source: BlendedSource, d: int, sample_ids: np.ndarray) -> np.ndarray:
-    """Global positions holding samples ``sample_ids`` of dataset ``d``."""
+def positions_of(source: BlendedSource, d: int, sample_ids: np.ndarray) -> np.ndarray:
+    """Global positions of ``source`` holding samples ``sample_ids`` of dataset ``d`` (a sample
+    the blend never takes has none)."""
     locator = source.locator
     if not sample_ids.shape[0]:
         return np.zeros(0, dtype=np.int64)
@@ -175,4 +182,4 @@ def steps_of(positions: np.ndarray, global_batch_size: int) -> np.ndarray:
     return np.unique(np.asarray(positions, dtype=np.int64) // int(global_batch_size))
 
 
-__all__ = ["Piece", "SampleOrigin", "datasets_of", "find", "steps_of", "where"]
+__all__ = ["Piece", "SampleOrigin", "datasets_of", "find", "positions_of", "samples_holding", "steps_of", "where"]
