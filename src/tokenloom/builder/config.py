@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from tokenloom.errors import ConfigError
@@ -114,10 +115,13 @@ class BuildConfig:
                 "set of stores by `split`, blend_per_split gives each split its own stores"
             )
         if self.blend is not None:
-            object.__setattr__(self, "blend", _as_blend(self.blend, "blend"))
+            blend, budget = _parse_blend(self.blend, "blend")
             if self.split is None:
                 raise ConfigError("BuildConfig.split is required with blend, e.g. split='969,30,1'")
             parse_split(self.split)
+            if budget is not None:
+                blend = self._budgeted(blend, budget, "blend")
+            object.__setattr__(self, "blend", blend)
         else:
             per_split = self.blend_per_split
             if isinstance(per_split, Mapping):
@@ -130,10 +134,16 @@ class BuildConfig:
                     f"blend_per_split={self.blend_per_split!r}; expected three blends (train, valid, "
                     "test), None where a split has no data"
                 )
-            blends = tuple(
-                None if b is None else _as_blend(b, f"blend_per_split[{name}]")
-                for b, name in zip(per_split, SPLIT_NAMES)
-            )
+            blends = []
+            for b, name in zip(per_split, SPLIT_NAMES):
+                blend, budget = (None, None) if b is None else _parse_blend(b, f"blend_per_split[{name}]")
+                if budget is not None:
+                    if name != "train":
+                        raise ConfigError(f"blend_per_split[{name}] has a {budget[0]} budget; budgets count "
+                                          "training data: give the train blend budgets and the others weights")
+                    blend = self._budgeted(blend, budget, f"blend_per_split[{name}]")
+                blends.append(blend)
+            blends = tuple(blends)
             if all(b is None for b in blends):
                 raise ConfigError("blend_per_split gives no blend for any split; expected at least one")
             object.__setattr__(self, "blend_per_split", blends)
@@ -195,6 +205,55 @@ class BuildConfig:
                     f"sample count to blend by weight: set {name}_samples or drop the weights"
                 )
 
+    def _budgeted(self, blend: BlendSpec, budget: tuple[str, tuple[float, ...]], what: str) -> BlendSpec:
+        """``blend`` weighted by the sample counts its budgets ask for; sets (or checks) train_samples.
+
+        A token budget ``T`` is ``T // seq_length`` samples; an epoch budget ``e`` is
+        ``floor(e x samples in one epoch of the dataset's train documents)``, megatron-core's epoch
+        (``(tokens - add_extra_token) // seq_length``), which reads each store's .idx now. The
+        weights are those counts, so megatron-core's greedy blend (and tokenloom's closed-form one)
+        give every dataset exactly its count over ``train_samples = sum(counts)`` samples.
+        """
+        kind, values = budget
+        seq = int(self.seq_length)
+        if kind == "tokens":
+            counts = [int(v) // seq for v in values]
+            tokens = [int(v) for v in values]
+        else:
+            per_epoch = [self._train_samples_per_epoch(prefix, what) for prefix in blend.prefixes]
+            counts = [math.floor(e * n) for e, n in zip(values, per_epoch)]
+            tokens = [c * seq for c in counts]
+        for prefix, count, value in zip(blend.prefixes, counts, values):
+            if count < 1:
+                raise ConfigError(f"{what}: the {kind} budget {value!r} of {prefix} is less than one sample of "
+                                  f"seq_length={seq} tokens; raise it or leave the dataset out")
+        total = sum(counts)
+        if self.train_samples is not None:
+            check_non_negative_int("train_samples", self.train_samples)
+        if self.train_samples is None:
+            object.__setattr__(self, "train_samples", total)
+        elif int(self.train_samples) != total:
+            raise ConfigError(f"train_samples={self.train_samples} but the {kind} budgets of {what} add up to "
+                              f"{total} samples of {seq} tokens; drop train_samples (the budgets set it) or "
+                              "make them agree")
+        return BlendSpec(prefixes=blend.prefixes, weights=tuple(float(c) for c in counts), budget_tokens=tuple(tokens))
+
+    def _train_samples_per_epoch(self, prefix: str, what: str) -> int:
+        """megatron-core's samples in one epoch of ``prefix``'s train documents (reads its .idx)."""
+        from tokenloom.index.split import split_document_ranges
+        from tokenloom.io import IndexedDataset
+
+        store = IndexedDataset(prefix)
+        begin, end = 0, store.num_sequences
+        if self.split is not None:
+            train = split_document_ranges(self.split, store.num_sequences).train
+            if train is None:
+                raise ConfigError(f"{what}: an epoch budget for {prefix}, but split={self.split!r} gives the "
+                                  "train split no documents")
+            begin, end = train.begin, train.end
+        tokens = int(np.asarray(store.sequence_lengths[begin:end], dtype=np.int64).sum())
+        return max(0, (tokens - int(self.add_extra_token)) // int(self.seq_length))
+
     # -- views ----------------------------------------------------------------------------------
     @property
     def samples_per_split(self) -> tuple[int | None, int | None, int | None]:
@@ -245,16 +304,43 @@ ARRAY_FIELDS = (
 # ------------------------------------------------------------------------------------ validation
 
 
+def _parse_blend(value: Any, what: str) -> tuple[BlendSpec, tuple[str, tuple[float, ...]] | None]:
+    """:func:`_as_blend`, or a mapping with budgets instead of weights: ``{"prefixes": [...],
+    "tokens": [...]}`` (training tokens per dataset) or ``{"prefixes": [...], "epochs": [...]}``.
+    Returns the blend (weightless when budgeted) and ``(kind, values)`` or None."""
+    if not isinstance(value, Mapping) or not ({"tokens", "epochs"} & set(value)):
+        return _as_blend(value, what), None
+    unknown = sorted(set(value) - {"prefixes", "tokens", "epochs"})
+    kinds = [k for k in ("tokens", "epochs") if k in value]
+    if unknown or "prefixes" not in value or len(kinds) != 1:
+        raise ConfigError(f"{what}={dict(value)!r}; expected 'prefixes' and one of 'weights', 'tokens' (a token "
+                          "budget per dataset) or 'epochs' (epochs of each dataset's train documents)")
+    kind = kinds[0]
+    blend = _as_blend({"prefixes": value["prefixes"]}, what)
+    values = value[kind]
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) != len(blend.prefixes):
+        raise ConfigError(f"{what}: {kind}={values!r}; expected one number per prefix ({len(blend.prefixes)})")
+    checked = []
+    for prefix, v in zip(blend.prefixes, values):
+        if not is_number(v) or not math.isfinite(v) or v <= 0 or (kind == "tokens" and float(v) != int(v)):
+            raise ConfigError(f"{what}: {kind} budget {v!r} of {prefix}; expected a positive "
+                              f"{'whole number of tokens' if kind == 'tokens' else 'number of epochs'}")
+        checked.append(int(v) if kind == "tokens" else float(v))
+    return blend, (kind, tuple(checked))
+
+
 def _as_blend(value: Any, what: str) -> BlendSpec:
     """Accept a BlendSpec, ``{"prefixes": [...], "weights": [...]}``, ``[[prefixes], [weights]]``
     (megatron-core's tuple) or Megatron-LM's ``--data-path`` list (``["30", "a", "70", "b"]``)."""
+    budget_tokens = None
     if isinstance(value, BlendSpec):
-        prefixes, weights = value.prefixes, value.weights
+        prefixes, weights, budget_tokens = value.prefixes, value.weights, value.budget_tokens
     elif isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"prefixes", "weights"})
+        unknown = sorted(set(value) - {"prefixes", "weights", "budget_tokens"})
         if unknown or "prefixes" not in value:
             raise ConfigError(f"{what}={dict(value)!r}; expected keys 'prefixes' and optional 'weights'")
         prefixes, weights = value["prefixes"], value.get("weights")
+        budget_tokens = value.get("budget_tokens")
     elif isinstance(value, str):
         prefixes, weights = _parse_data_path(value.split(), what)
     elif isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], (list, tuple)):
@@ -280,7 +366,7 @@ def _as_blend(value: Any, what: str) -> BlendSpec:
                 raise ConfigError(f"{what}: weight {weight!r} of {prefix}; expected a positive number")
             checked.append(float(weight))
         weights = tuple(checked)
-    return BlendSpec(prefixes=prefixes, weights=weights)
+    return BlendSpec(prefixes=prefixes, weights=weights, budget_tokens=budget_tokens)
 
 
 def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[float] | None]:
@@ -306,7 +392,10 @@ def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[floa
 def _blend_dict(blend: BlendSpec | None) -> dict | None:
     if blend is None:
         return None
-    return {"prefixes": list(blend.prefixes), "weights": None if blend.weights is None else list(blend.weights)}
+    out = {"prefixes": list(blend.prefixes), "weights": None if blend.weights is None else list(blend.weights)}
+    if blend.budget_tokens is not None:  # what the weights were made from (they are the sample counts)
+        out["budget_tokens"] = list(blend.budget_tokens)
+    return out
 
 
 # ------------------------------------------------------------------------------------ loading

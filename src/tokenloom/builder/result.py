@@ -50,7 +50,8 @@ class BuildResult:
 
     def __init__(self, *, cache: Cache, plan: BuildPlan, build_key: str, mode: str, manifest_path: str | None,
                  seq_length: int, add_extra_token: bool, weights: Mapping[str, tuple[float, ...]],
-                 timings: Mapping[str, float], built_keys: frozenset[str], rank: int) -> None:
+                 timings: Mapping[str, float], built_keys: frozenset[str], rank: int,
+                 budgets: Mapping[str, Mapping[str, int]] | None = None) -> None:
         self.cache = cache
         self.plan = plan
         self.build_key = build_key
@@ -77,9 +78,10 @@ class BuildResult:
         self._splits: dict[str, BlendedSource] = {}
         for split in plan.splits:
             self._splits[split.name] = self._open_split(split, stores, seq_length, add_extra_token,
-                                                        weights[split.name])
+                                                        weights[split.name], (budgets or {}).get(split.name))
 
-    def _open_split(self, split: SplitPlan, stores, seq_length, add_extra_token, weights) -> BlendedSource:
+    def _open_split(self, split: SplitPlan, stores, seq_length, add_extra_token, weights,
+                    budgets: Mapping[str, int] | None = None) -> BlendedSource:
         readers: list[DatasetReader] = []
         reader_class = StatelessReader if self.mode == "stateless" else MegatronReader
         for prefix, key in zip(split.prefixes, split.dataset_keys):
@@ -99,7 +101,8 @@ class BuildResult:
             locator = ArrayLocator(self.cache.open_array(split.blend_key, "dataset_index"),
                                    self.cache.open_array(split.blend_key, "dataset_sample_index"))
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
-                             add_extra_token=add_extra_token, build_key=self.build_key, name=split.name)
+                             add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
+                             budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes])
 
     @property
     def splits(self) -> dict[str, BlendedSource]:

@@ -159,7 +159,7 @@ class _Build:
                                  manifest_path=manifest_path, seq_length=self.config.seq_length,
                                  add_extra_token=self.config.add_extra_token,
                                  weights=self._split_weights(plan), timings=self.timings,
-                                 built_keys=frozenset(records), rank=self.rank)
+                                 built_keys=frozenset(records), rank=self.rank, budgets=self._budgets())
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="open", item=None)
         agree(self.group, failure, phase="open")
@@ -459,6 +459,13 @@ class _Build:
             "items": entries, "timings_rank0": dict(self.timings), "ranks": list(self.rank_seconds),
         }
         return self.cache.write_manifest(build_key, manifest)
+
+    def _budgets(self) -> dict[str, dict[str, int]] | None:
+        """The train split's token budgets by store, where the config gave budgets."""
+        blend = self.config.blend_for_split(0)
+        if blend is None or blend.budget_tokens is None:
+            return None
+        return {"train": dict(zip(blend.prefixes, blend.budget_tokens))}
 
     def _split_weights(self, plan: BuildPlan) -> dict[str, tuple[float, ...]]:
         out = {}

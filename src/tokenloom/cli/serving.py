@@ -47,11 +47,18 @@ def run_audit(args: argparse.Namespace) -> int:
     print(f"{args.log}: build {log.header['build_key'][:16]}  steps {len(log.records)}  "
           f"seq_length {log.header['seq_length']}")
     width = max([len("dataset")] + [len(str(r["dataset"])) for r in rows])
-    print(f"| {'dataset':<{width}} | target | tokens | realised | drift | max abs drift |")
-    print(f"|{'-' * (width + 2)}|-------:|-------:|---------:|------:|--------------:|")
+    budgets = any("budget_tokens" in r for r in rows)
+    extra = " budget tokens | of budget |" if budgets else ""
+    print(f"| {'dataset':<{width}} | target | tokens | realised | drift | max abs drift |{extra}")
+    print(f"|{'-' * (width + 2)}|-------:|-------:|---------:|------:|--------------:|"
+          + ("--------------:|----------:|" if budgets else ""))
     for r in rows:
+        cells = ""
+        if budgets:
+            used = "" if r.get("budget_used") is None else f"{100 * r['budget_used']:.1f}%"
+            cells = f" {r['budget_tokens'] or 0:,} | {used} |"
         print(f"| {r['dataset']:<{width}} | {r['target']:.4f} | {r['tokens']:,} | {r['realised']:.4f} | "
-              f"{r['drift']:+.4f} | {r['max_abs_drift']:.4f} |")
+              f"{r['drift']:+.4f} | {r['max_abs_drift']:.4f} |{cells}")
     if skips["skipped_samples"]:
         steps = skips["steps"]
         print(f"skipped {skips['skipped_samples']:,} samples in {len(skips['ranges'])} range(s), jumped before "

@@ -78,6 +78,10 @@ class BlendSpec:
     weight_unit: str = "sample"
     """``"sample"``: a weight is the dataset's share of the blend's samples (megatron-core's
     meaning). ``"token"``: its share of the blend's tokens."""
+    budget_tokens: tuple[int, ...] | None = None
+    """Training tokens each dataset was given instead of a share (a token or epoch budget), when
+    the weights were derived from budgets: the weights are then the sample counts
+    ``budget // seq_length`` (see ``tokenloom.builder.config``); None when weights were given."""
 
     def has_prefix(self, prefix: str) -> bool:
         """Whether ``prefix`` is one of the blend's datasets (O(1): blends hold 10,000 stores)."""
@@ -92,6 +96,12 @@ class BlendSpec:
         object.__setattr__(self, "_sizes", {})  # not a field: megatron_sizes by (num_samples, surplus)
         if self.weight_unit not in WEIGHT_UNITS:
             raise ConfigError(f"weight_unit={self.weight_unit!r}; expected one of {WEIGHT_UNITS}")
+        if self.budget_tokens is not None:
+            budgets = tuple(int(b) for b in self.budget_tokens)
+            if len(budgets) != len(prefixes) or self.weights is None:
+                raise ConfigError(f"{len(budgets)} token budgets for {len(prefixes)} prefixes (with weights "
+                                  f"{self.weights!r}); expected one budget per prefix and the weights made from them")
+            object.__setattr__(self, "budget_tokens", budgets)
         if self.weights is None:
             return
         weights = tuple(float(w) for w in self.weights)

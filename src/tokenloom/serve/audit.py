@@ -60,9 +60,13 @@ class MixtureAudit:
         self._header_written = self.path is not None and os.path.isfile(self.path) and os.path.getsize(self.path) > 0
 
     def _header(self, source) -> dict[str, Any]:
-        return {"format": AUDIT_FORMAT, "version": AUDIT_VERSION, "build_key": source.build_key,
-                "seq_length": source.seq_length, "datasets": [d.name for d in source.datasets],
-                "weights": [d.weight for d in source.datasets]}
+        header = {"format": AUDIT_FORMAT, "version": AUDIT_VERSION, "build_key": source.build_key,
+                  "seq_length": source.seq_length, "datasets": [d.name for d in source.datasets],
+                  "weights": [d.weight for d in source.datasets]}
+        budgets = [getattr(d, "budget_tokens", None) for d in source.datasets]
+        if any(b is not None for b in budgets):
+            header["budget_tokens"] = budgets
+        return header
 
     def record_step(self, sampler) -> dict[str, Any]:
         """Audit the step ``sampler`` is about to serve (call before its first micro-batch)."""
@@ -184,7 +188,8 @@ def read_audit_log(path: str | os.PathLike) -> AuditLog:
 
 
 def summarize_audit(log: AuditLog) -> list[dict[str, Any]]:
-    """One row per dataset: name, target weight, realised tokens and share, final drift, max |drift|."""
+    """One row per dataset: name, target weight, realised tokens and share, final drift, max |drift|;
+    and, when the build gave token budgets, the budget and the share of it served."""
     names = log.header["datasets"]
     if not log.records:
         return [{"dataset": n, "target": w, "tokens": 0, "realised": 0.0, "drift": 0.0, "max_abs_drift": 0.0}
@@ -192,11 +197,16 @@ def summarize_audit(log: AuditLog) -> list[dict[str, Any]]:
     last = log.records[-1]
     total = max(1, sum(last["cumulative_tokens"]))
     rows = []
+    budgets = log.header.get("budget_tokens")
     for d, name in enumerate(names):
-        rows.append({"dataset": name, "target": last["target_weights"][d],
-                     "tokens": last["cumulative_tokens"][d], "realised": last["cumulative_tokens"][d] / total,
-                     "drift": last["drift"][d],
-                     "max_abs_drift": max(abs(r["drift"][d]) for r in log.records)})
+        row = {"dataset": name, "target": last["target_weights"][d],
+               "tokens": last["cumulative_tokens"][d], "realised": last["cumulative_tokens"][d] / total,
+               "drift": last["drift"][d],
+               "max_abs_drift": max(abs(r["drift"][d]) for r in log.records)}
+        if budgets is not None:  # realised tokens against the dataset's budget
+            row["budget_tokens"] = budgets[d]
+            row["budget_used"] = None if not budgets[d] else last["cumulative_tokens"][d] / budgets[d]
+        rows.append(row)
     return rows
 
 

@@ -118,9 +118,11 @@ class BlendedSource:
 
     def __init__(self, *, readers: Sequence[DatasetReader], weights: Sequence[float], locator: Locator,
                  seq_length: int, add_extra_token: bool, build_key: str, pad_id: int = PAD_TOKEN_ID,
-                 name: str = "train", eod_ids: Sequence[int | None] | None = None) -> None:
+                 name: str = "train", eod_ids: Sequence[int | None] | None = None,
+                 budgets: Sequence[int | None] | None = None) -> None:
         """``weights`` are the datasets' target shares (summing to 1); ``eod_ids`` give each
-        dataset's end-of-document id where its store has no tokenizer record (None: the records')."""
+        dataset's end-of-document id where its store has no tokenizer record (None: the records');
+        ``budgets`` each dataset's token budget, where the build config gave budgets."""
         if len(weights) != len(readers) or (eod_ids is not None and len(eod_ids) != len(readers)):
             raise ConfigError(f"{len(weights)} weights and {None if eod_ids is None else len(eod_ids)} EOD ids "
                               f"for {len(readers)} datasets; expected one of each per dataset")
@@ -139,6 +141,9 @@ class BlendedSource:
         self._pad_id = int(pad_id)
         self._weights = tuple(float(w) for w in weights)
         self._eod_ids = eod_ids
+        self._budgets = [None] * len(readers) if budgets is None else list(budgets)
+        if len(self._budgets) != len(readers):
+            raise ConfigError(f"{len(self._budgets)} budgets for {len(readers)} datasets; expected one per dataset")
         self._datasets: tuple[DatasetInfo, ...] | None = None
 
     # -- SampleSource ---------------------------------------------------------------------------
@@ -170,8 +175,8 @@ class BlendedSource:
         if self._datasets is None:
             self._datasets = tuple(
                 DatasetInfo(name=reader.name, weight=w, num_samples=reader.num_samples,
-                            eod_id=resolve_eod(reader.store, eod))
-                for reader, w, eod in zip(self.readers, self._weights, self._eod_ids)
+                            eod_id=resolve_eod(reader.store, eod), budget_tokens=budget)
+                for reader, w, eod, budget in zip(self.readers, self._weights, self._eod_ids, self._budgets)
             )
         return self._datasets
 

@@ -36,6 +36,10 @@ class DatasetInfo:
     eod_id: int | None
     """End-of-document token id from the store's tokenizer record; None when it has none."""
 
+    budget_tokens: int | None = None
+    """Training tokens the build config gave the dataset (a token or epoch budget); None when
+    the blend gave weights. The audit reports realised tokens against it."""
+
 
 @runtime_checkable
 class SampleSource(Protocol):
