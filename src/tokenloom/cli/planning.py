@@ -92,6 +92,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     r = p.add_argument_group("output")
     r.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r.add_argument("--plot", metavar="PNG", help="also draw the best layouts' memory per GPU (weights, gradients, "
+                   "optimizer, activations) against the GPU's memory (needs matplotlib: tokenloom[plot])")
     r.add_argument("--write-geometry", metavar="PATH",
                    help="write the best layout's data geometry (YAML for .yaml/.yml, JSON otherwise)")
     return p
@@ -149,6 +151,11 @@ def run_plan(args: argparse.Namespace) -> int:
         max_virtual_pipeline=args.max_virtual_pipeline, overlap_grad_reduce=args.overlap_grad_reduce,
         memory_reserve_gib=args.memory_reserve_gib)
     result = plan_layout(model, cluster, training, options)
+    if args.plot:
+        from tokenloom.plots import plot_memory
+
+        path = plot_memory(result, args.plot, top=args.top, model_name=args.model, gpu_name=args.gpu)
+        print(f"wrote the memory plot to {path}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(top=args.top), indent=2))
     else:

@@ -26,6 +26,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-drift", type=float, default=None, metavar="X",
                    help="exit with status 1 when a dataset's final |drift| exceeds X (a share, e.g. 0.01)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="also draw each dataset's realised share over the steps against "
+                   "its target, weight changes and skips marked (needs matplotlib: tokenloom[plot])")
     p.set_defaults(run=run_audit)
     return p
 
@@ -39,6 +41,10 @@ def run_audit(args: argparse.Namespace) -> int:
     last_steps = log.records[-args.steps:] if args.steps > 0 else []
     worst = max((abs(r["drift"]) for r in rows), default=0.0)
     failed = args.max_drift is not None and worst > args.max_drift
+    if args.plot:
+        from tokenloom.plots import plot_mixture
+
+        print(f"wrote the mixture plot to {plot_mixture(log, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"log": args.log, "build_key": log.header["build_key"], "steps": len(log.records),
                           "datasets": rows, "last_steps": last_steps, "max_abs_final_drift": worst,
