@@ -136,6 +136,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234, help="model initialisation")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank reading ahead")
+    p.add_argument("--skip-steps", action="append", default=[], metavar="A:B",
+                   help="never train on the samples steps A..B-1 would get (0-based, not yet trained; after a loss "
+                        "spike, resume from a checkpoint before it); later steps take the samples that follow. "
+                        "Kept in the checkpoint. Repeatable")
+    p.add_argument("--quarantine", action="append", default=[], metavar="PREFIX:DOC",
+                   help="never train on a sample holding a piece of document DOC of store PREFIX from now on; kept "
+                        "in the checkpoint. Repeatable")
     args = p.parse_args(argv)
     for name in ("steps", "global_batch_size", "micro_batch_size", "save_interval", "layers", "hidden", "heads"):
         if getattr(args, name) < 1:
@@ -225,6 +232,24 @@ def load_checkpoint(path: str, *, build_key: str, config: dict) -> dict:
     return state
 
 
+def steer(batches, args) -> None:
+    """Apply ``--skip-steps`` and ``--quarantine`` (every rank alike; they join the loader's state)."""
+    for text in args.skip_steps:
+        try:
+            first, stop = (int(v) for v in text.split(":"))
+        except ValueError:
+            raise ConfigError(f"--skip-steps {text!r}; expected A:B (steps A to B-1)") from None
+        batches.skip_steps(first, stop)
+    items = []
+    for text in args.quarantine:
+        prefix, _, document = text.rpartition(":")
+        if not prefix or not document.isdigit():
+            raise ConfigError(f"--quarantine {text!r}; expected PREFIX:DOC, a store prefix and a document id")
+        items.append((prefix, int(document)))
+    if items:
+        batches.quarantine(items)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, device = setup_distributed()
@@ -265,6 +290,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
         step = state["step"]
     elif os.path.exists(path):
         raise ConfigError(f"{path} exists; pass --resume to continue it, or give another --checkpoint")
+    steer(batches, args)
     if rank == 0:
         os.makedirs(args.checkpoint, exist_ok=True)
     ddp = model

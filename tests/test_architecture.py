@@ -102,8 +102,8 @@ def test_no_cycle_between_parts():
                                     "tokenloom.serve", "tokenloom.builder", "tokenloom.planning",
                                     "tokenloom.tokenization", "tokenloom.cli"])
 def test_importing_loads_no_heavy_dependency(module):
-    code = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'jax', 'numba', 'tokenizers', 'pyarrow', 'matplotlib') "
-            "if m in sys.modules); print(','.join(heavy))")
+    code = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'jax', 'numba', 'tokenizers', 'pyarrow', "
+            "'matplotlib') if m in sys.modules); print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {module} imported {out}"
 

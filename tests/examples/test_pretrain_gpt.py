@@ -141,3 +141,18 @@ def test_a_checkpoint_of_another_build_or_a_second_start_is_refused(builds, tmp_
     torch.save(state, path)
     result = train(build, tmp_path / "ckpt", ranks=1, steps=4, resume=True, expect=1)
     assert "not saved at an optimizer step boundary" in result.stderr
+
+
+def test_a_resume_can_skip_the_steps_around_a_loss_spike(builds, uninterrupted, tmp_path):
+    _, build, _ = builds
+    metrics = tmp_path / "metrics.jsonl"
+    train(build, tmp_path / "ckpt", ranks=2, steps=20, metrics=metrics)
+    # resumed at step 20 on one rank, steps 25-29 skipped: step 25 trains on what step 30 had
+    train(build, tmp_path / "ckpt", ranks=1, steps=40, resume=True, metrics=metrics, extra=["--skip-steps", "25:30"])
+    logged = _metrics(metrics)
+    fingerprints = [m["batch_fingerprint"] for m in logged]
+    reference = [m["batch_fingerprint"] for m in uninterrupted]
+    assert fingerprints[:25] == reference[:25]
+    assert fingerprints[25:40] == reference[30:45]
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    assert state["loader"]["skipped_ranges"] == [[25 * GLOBAL, 30 * GLOBAL]]
