@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokenloom
 from serve_fixtures import write_corpus
@@ -144,3 +146,41 @@ def test_the_audit_log_records_what_was_skipped_and_the_command_reports_it(split
     assert f"skipped {2 * G} samples in 1 range(s), jumped before step(s) 5" in capsys.readouterr().out
     assert cli_main(["audit", str(tmp_path / "audit.jsonl"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["skipped"]["skipped_samples"] == 2 * G
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=6),
+       st.lists(st.integers(0, 330), max_size=12))
+def test_logical_positions_are_the_underlying_ones_left_in_order(ranges, singles):
+    """Against the obvious reference: the list of underlying positions not taken out."""
+    source = _tiny_source()
+    skips = tuple((a, a + n) for a, n in ranges)
+    stream = SampleStream(source, skips=skips, quarantined=np.asarray(singles, dtype=np.int64))
+    removed = {p for a, b in skips for p in range(a, b)} | set(singles)
+    kept = [p for p in range(source.num_samples) if p not in removed]
+    assert stream.num_samples == len(kept)
+    if kept:
+        logical = np.arange(len(kept))
+        assert stream.underlying(logical).tolist() == kept
+        assert [stream.logical(u) for u in kept] == logical.tolist()
+        got = stream.locate(logical)
+        want = source.locate(np.asarray(kept))
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    low, high = 50, 200
+    assert sum(b - a for a, b in stream.skipped_between(low, high)) == len(removed & set(range(low, high)))
+
+
+_TINY: list = []
+
+
+def _tiny_source():
+    """A 320-sample in-memory blend, made once."""
+    if not _TINY:
+        import tempfile
+
+        from tokenloom.source import StoreBlendSource
+
+        root = tempfile.mkdtemp(prefix="tokenloom-skips-")
+        prefixes = write_corpus(root, 2, seed=9)
+        _TINY.append(StoreBlendSource.from_prefixes(prefixes, [0.6, 0.4], num_samples=320, seq_length=8, seed=1))
+    return _TINY[0]

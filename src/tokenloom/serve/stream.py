@@ -114,9 +114,12 @@ class SampleStream:
 
     def skipped_between(self, begin: int, end: int) -> list[tuple[int, int]]:
         """The taken-out underlying ranges inside ``[begin, end)`` (merged, clipped)."""
+        ends = self._gap_begins + np.diff(self._gap_before)
+        first = int(np.searchsorted(ends, begin, side="right"))  # gaps ending after `begin`
+        last = int(np.searchsorted(self._gap_begins, end, side="left"))  # gaps starting before `end`
         out = []
-        for a, length in zip(self._gap_begins.tolist(), np.diff(self._gap_before).tolist()):
-            lo, hi = max(a, begin), min(a + length, end)
+        for a, b in zip(self._gap_begins[first:last].tolist(), ends[first:last].tolist()):
+            lo, hi = max(a, begin), min(b, end)
             if lo < hi:
                 out.append((lo, hi))
         return out
