@@ -136,6 +136,14 @@ def run_tokenize(args: argparse.Namespace) -> int:
         workers=args.workers,
         chunk_bytes=args.chunk_size,
     )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the inputs divided over the ranks
+        from tokenloom.builder.tokenize import tokenize_on_ranks
+
+        summary = tokenize_on_ranks(args.inputs, args.output, config)
+        if int(os.environ.get("RANK", "0")) == 0:
+            kept = f", {summary.parts_kept} part(s) kept from an earlier run" if summary.parts_kept else ""
+            print(_format_summary(summary) + f" on {summary.ranks} ranks{kept}")
+        return 0
     total_bytes = sum(f.size_bytes for f in discover_inputs(args.inputs, input_format=args.input_format))
     bar = _ProgressBar(total_bytes, disable=args.quiet or not sys.stderr.isatty())
     try:

@@ -12,6 +12,7 @@ appears under the prefix.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -36,8 +37,10 @@ from tokenloom.tokenization.sources import (
     InputFile,
     RawChunk,
     discover_inputs,
+    line_start_at_or_after,
     parse_chunk,
     read_chunks,
+    splittable,
 )
 from tokenloom.tokenization.tokenizers import Tokenizer, load_tokenizer
 from tokenloom.validate import is_integer
@@ -128,6 +131,12 @@ class TokenizeSummary:
     """Bad records skipped, by reason (``BAD_RECORD_REASONS``); empty unless ``skip_bad``."""
 
     elapsed_s: float
+
+    ranks: int = 1
+    """Ranks the run was divided over (``tokenloom.builder.tokenize``)."""
+
+    parts_kept: int = 0
+    """Of a divided run: ranks whose part an earlier run had finished with the same inputs."""
 
     @property
     def num_skipped(self) -> int:
@@ -265,28 +274,72 @@ def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
 
 # -- main side ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class InputPiece:
+    """An input file, or the lines starting in a byte range of one (a part of a divided run)."""
+
+    source: InputFile
+    byte_range: tuple[int, int] | None = None
+    """``[begin, end)`` at line starts, or None for the whole file."""
+    first_line: int = 1
+    """Line number of the range's first line (for messages naming a bad record)."""
+
+    @property
+    def num_bytes(self) -> int:
+        return self.source.size_bytes if self.byte_range is None else self.byte_range[1] - self.byte_range[0]
+
+
+def plan_pieces(files: Sequence[InputFile], config: TokenizeConfig, parts: int) -> list[list[InputPiece]]:
+    """Divide ``files`` into ``parts`` runs of pieces of about equal bytes, in input order: the
+    runs concatenated are the input in order. Files that can be read by byte range
+    (:func:`~tokenloom.tokenization.sources.splittable`) are cut at line starts where a run ends;
+    others (compressed, Parquet, document-per-file text) go whole to the run their first byte
+    falls in. Deterministic: every rank computes the same plan (``first_line`` left at 1: the
+    caller counts lines)."""
+    total = sum(f.size_bytes for f in files)
+    bounds = [round(k * total / parts) for k in range(1, parts)]  # global bytes where runs end
+    runs: list[list[InputPiece]] = [[] for _ in range(parts)]
+    offset = 0
+    for source in files:
+        size = source.size_bytes
+        if splittable(source, lines=config.lines) and size:
+            cuts = sorted({line_start_at_or_after(source.path, b - offset, size)
+                           for b in bounds if offset < b < offset + size})
+            edges = [0, *cuts, size]
+            for begin, end in itertools.pairwise(edges):
+                if end > begin:
+                    runs[bisect.bisect_right(bounds, offset + begin)].append(InputPiece(source, (begin, end)))
+        else:
+            runs[bisect.bisect_right(bounds, offset)].append(InputPiece(source))
+        offset += size
+    return runs
+
+
+@dataclasses.dataclass(frozen=True)
 class _Task:
     chunks: list[RawChunk]
     input_bytes: int  # on-disk bytes consumed since the previous task (progress only)
 
 
-def _tasks(files: Sequence[InputFile], config: TokenizeConfig) -> Iterator[_Task]:
-    """Group the files' raw chunks, in input order, into tasks of at most about ``chunk_bytes``
+def _tasks(pieces: Sequence[InputPiece], config: TokenizeConfig) -> Iterator[_Task]:
+    """Group the pieces' raw chunks, in input order, into tasks of at most about ``chunk_bytes``
     (small chunks, e.g. one per short text file, share a task; a big one is a task alone)."""
     batch: list[RawChunk] = []
     batch_bytes = 0
-    consumed = 0  # bytes on disk of all earlier files
+    consumed = 0  # bytes on disk of all earlier pieces
     position = reported = 0  # bytes on disk read up to the batch's last chunk / reported so far
-    for source in files:
-        for chunk in read_chunks(source, lines=config.lines, column=config.column, chunk_bytes=config.chunk_bytes):
+    for piece in pieces:
+        start = 0 if piece.byte_range is None else piece.byte_range[0]
+        for chunk in read_chunks(piece.source, lines=config.lines, column=config.column,
+                                 chunk_bytes=config.chunk_bytes, byte_range=piece.byte_range,
+                                 first_line=piece.first_line):
             if batch and batch_bytes + chunk.num_bytes > config.chunk_bytes:
                 yield _Task(batch, position - reported)
                 reported = position
                 batch, batch_bytes = [], 0
             batch.append(chunk)
             batch_bytes += chunk.num_bytes
-            position = consumed + chunk.input_bytes_done
-        consumed += source.size_bytes
+            position = consumed + chunk.input_bytes_done - start
+        consumed += piece.num_bytes
     if batch or consumed > reported:
         yield _Task(batch, consumed - reported)
 
@@ -350,8 +403,17 @@ def tokenize_to_store(
     and line for a bad record (unless ``config.skip_bad``); on any error or interrupt the
     store is not created.
     """
-    started = time.perf_counter()
     files = discover_inputs(inputs, input_format=config.input_format)
+    return tokenize_pieces(files, [InputPiece(f) for f in files], output_prefix, config, tokenizer=tokenizer,
+                           progress=progress)
+
+
+def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], output_prefix: str,
+                    config: TokenizeConfig = TokenizeConfig(), *, tokenizer: Tokenizer | None = None,
+                    progress: ProgressCallback | None = None) -> TokenizeSummary:
+    """:func:`tokenize_to_store` over ``pieces`` of the input ``files`` (what one rank of a
+    divided run tokenizes); the store's metadata names ``files``."""
+    started = time.perf_counter()
     if tokenizer is None:
         tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod)
     if config.append_eod and tokenizer.eod_id is None:
@@ -373,7 +435,7 @@ def tokenize_to_store(
     skipped: collections.Counter = collections.Counter()
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
-        for batch, task in _encode_ordered(job, _tasks(files, config), workers):
+        for batch, task in _encode_ordered(job, _tasks(pieces, config), workers):
             if batch.error is not None:
                 raise InputError(batch.error)
             writer.add_documents(batch.tokens, batch.lengths)
@@ -386,20 +448,8 @@ def tokenize_to_store(
                 logged_bad += 1
             if progress is not None:
                 progress(int(batch.lengths.size), int(batch.tokens.size), task.input_bytes)
-        metadata = {
-            "tokenizer": record.to_dict(),
-            "source": {
-                "inputs": [source.path for source in files],
-                "input_format": config.input_format,
-                "text_key": config.text_key,
-                "column": config.column,
-                "lines": config.lines,
-                "documents": num_documents,
-                "tokens": num_tokens,
-                "empty_documents": num_empty,
-                "skipped": {reason: skipped[reason] for reason in BAD_RECORD_REASONS if skipped[reason]},
-            },
-        }
+        metadata = store_metadata(record, files, config, documents=num_documents, tokens=num_tokens,
+                                  empty=num_empty, skipped=skipped)
         writer.finalize(metadata)
     except BaseException:
         writer.abort()
@@ -419,4 +469,24 @@ def tokenize_to_store(
     return summary
 
 
-__all__ = ["ProgressCallback", "TokenizeConfig", "TokenizeSummary", "tokenize_to_store"]
+def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: TokenizeConfig, *,
+                   documents: int, tokens: int, empty: int, skipped: Mapping[str, int]) -> dict:
+    """The ``.meta.json`` of a tokenized store: the tokenizer record and what was read."""
+    return {
+        "tokenizer": record.to_dict(),
+        "source": {
+            "inputs": [source.path for source in files],
+            "input_format": config.input_format,
+            "text_key": config.text_key,
+            "column": config.column,
+            "lines": config.lines,
+            "documents": documents,
+            "tokens": tokens,
+            "empty_documents": empty,
+            "skipped": {reason: skipped[reason] for reason in BAD_RECORD_REASONS if skipped.get(reason)},
+        },
+    }
+
+
+__all__ = ["InputPiece", "ProgressCallback", "TokenizeConfig", "TokenizeSummary", "plan_pieces", "store_metadata",
+           "tokenize_pieces", "tokenize_to_store"]

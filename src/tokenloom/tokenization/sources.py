@@ -242,13 +242,23 @@ def _decompression_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _read_line_blobs(source: InputFile, kind: str, chunk_bytes: int) -> Iterator[RawChunk]:
+def _read_line_blobs(source: InputFile, kind: str, chunk_bytes: int,
+                     byte_range: tuple[int, int] | None = None, first_line: int = 1) -> Iterator[RawChunk]:
     with open(source.path, "rb") as raw:
         stream = open_binary(raw, source.compression)
+        remaining = None
+        if byte_range is not None:  # an uncompressed file's lines starting in [begin, end)
+            raw.seek(byte_range[0])
+            remaining = byte_range[1] - byte_range[0]
         buffer = bytearray()
-        line = 1
+        line = first_line
         while True:
-            block = stream.read(max(chunk_bytes, 1))
+            want = max(chunk_bytes, 1)
+            if remaining is not None:
+                want = min(want, remaining)
+            block = stream.read(want) if want else b""
+            if remaining is not None:
+                remaining -= len(block)
             if block:
                 buffer += block
                 cut = buffer.rfind(b"\n") + 1
@@ -336,19 +346,64 @@ def _read_parquet(source: InputFile, column: str, chunk_bytes: int) -> Iterator[
             row += len(array)
 
 
+def splittable(source: InputFile, *, lines: bool = False) -> bool:
+    """Whether ``source`` can be read in byte ranges cut at line starts: uncompressed JSONL, or
+    text read one document per line."""
+    return source.compression is None and (source.format == "jsonl" or (source.format == "text" and lines))
+
+
+def line_start_at_or_after(path: str, offset: int, size: int) -> int:
+    """The first position ``>= offset`` where a line starts (0, just after a newline, or ``size``)."""
+    if offset <= 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        position = offset - 1
+        while True:
+            block = f.read(1 << 16)
+            if not block:
+                return size
+            found = block.find(b"\n")
+            if found >= 0:
+                return min(size, position + found + 1)
+            position += len(block)
+
+
+def count_lines(path: str, begin: int, end: int) -> int:
+    """Newlines in bytes ``[begin, end)`` of ``path``."""
+    count = 0
+    with open(path, "rb") as f:
+        f.seek(begin)
+        remaining = end - begin
+        while remaining > 0:
+            block = f.read(min(1 << 24, remaining))
+            if not block:
+                break
+            count += block.count(b"\n")
+            remaining -= len(block)
+    return count
+
+
 def read_chunks(
-    source: InputFile, *, lines: bool = False, column: str = "text", chunk_bytes: int = 1 << 20
+    source: InputFile, *, lines: bool = False, column: str = "text", chunk_bytes: int = 1 << 20,
+    byte_range: tuple[int, int] | None = None, first_line: int = 1,
 ) -> Iterator[RawChunk]:
     """Stream ``source`` as raw chunks of about ``chunk_bytes`` (see the module docstring).
 
     ``lines`` makes a text file one document per non-blank line instead of one per file;
-    ``column`` is the Parquet column holding the text.
+    ``column`` is the Parquet column holding the text. ``byte_range`` (a :func:`splittable`
+    file only) reads the lines starting in ``[begin, end)`` of the file, both at line starts,
+    numbering them from ``first_line``.
     """
+    if byte_range is not None and not splittable(source, lines=lines):
+        raise ConfigError(f"{source.path}: a byte range of a {source.compression or source.format} file; only "
+                          "uncompressed JSONL and line-per-document text split at line starts")
     try:
         if source.format == "jsonl":
-            yield from _read_line_blobs(source, "jsonl", chunk_bytes)
+            yield from _read_line_blobs(source, "jsonl", chunk_bytes, byte_range, first_line)
         elif source.format == "text":
-            yield from (_read_line_blobs(source, "lines", chunk_bytes) if lines else _read_document(source))
+            yield from (_read_line_blobs(source, "lines", chunk_bytes, byte_range, first_line) if lines
+                        else _read_document(source))
         elif source.format == "parquet":
             yield from _read_parquet(source, column, chunk_bytes)
         else:

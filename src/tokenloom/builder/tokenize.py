@@ -1,0 +1,176 @@
+"""Tokenization divided over the ranks of a job: ``torchrun ... -m tokenloom.cli tokenize``.
+
+The inputs are cut into one run per rank of about equal bytes, in input order
+(:func:`~tokenloom.tokenization.pipeline.plan_pieces`: large uncompressed JSONL and line-per-
+document text files are split at line starts, others go whole). Each rank counts the lines of its
+pieces so that every rank knows where its pieces' lines are numbered from (messages name the file
+and the line, as one process would), tokenizes them into a part store
+``OUTPUT.parts/part-RRRRR-of-WWWWW`` and records what it read beside it; rank 0 then concatenates
+the parts in order into ``OUTPUT`` with the metadata one process would write, so the store is
+byte-identical to ``tokenloom tokenize`` in one process, and removes the parts. A failure on any
+rank fails every rank with the same message (the build's gloo group); a run restarted with the
+same command on the same number of ranks keeps every part whose inputs and settings are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from tokenloom.builder.collective import agree, failure_from, open_group
+from tokenloom.io import IndexedDataset, IndexedDatasetWriter
+from tokenloom.io.format import idx_path, normalize_prefix
+from tokenloom.io.writer import write_json_atomic
+from tokenloom.tokenization.pipeline import (
+    InputPiece,
+    TokenizeConfig,
+    TokenizeSummary,
+    plan_pieces,
+    store_metadata,
+    tokenize_pieces,
+    tokenize_to_store,
+)
+from tokenloom.tokenization.sources import count_lines, discover_inputs
+from tokenloom.tokenization.tokenizers import load_tokenizer
+
+PARTS_SUFFIX = ".parts"
+PART_FORMAT = "tokenloom-tokenize-part"
+
+
+def _describe(piece: InputPiece) -> list:
+    stat = os.stat(piece.source.path)
+    begin, end = piece.byte_range if piece.byte_range is not None else (0, stat.st_size)
+    return [piece.source.path, stat.st_size, stat.st_mtime_ns, begin, end, piece.first_line]
+
+
+def _settings(config: TokenizeConfig, record: dict) -> dict:
+    """What decides a part's tokens besides its inputs (workers and chunk size change nothing)."""
+    out = dataclasses.asdict(config)
+    for name in ("workers", "chunk_bytes"):
+        out.pop(name, None)
+    out["tokenizer_record"] = record
+    return out
+
+
+def _number_lines(runs: list[list[InputPiece]], counts: list[list[int]]) -> list[list[InputPiece]]:
+    """Each piece with the line its range starts at: 1 + the newlines of the file's earlier pieces."""
+    seen: Counter = Counter()
+    out = []
+    for run, run_counts in zip(runs, counts):
+        numbered = []
+        for piece, newlines in zip(run, run_counts):
+            path = piece.source.path
+            numbered.append(dataclasses.replace(piece, first_line=1 + seen[path]))
+            seen[path] += newlines
+        out.append(numbered)
+    return out
+
+
+def tokenize_on_ranks(inputs: Sequence[str] | str, output_prefix: str, config: TokenizeConfig = TokenizeConfig(), *,
+                      group=None, timeout_s: float = 3600.0) -> TokenizeSummary:
+    """Tokenize ``inputs`` into the store ``output_prefix`` on every rank of the job (call it on
+    every rank; a job of one process tokenizes alone). Returns the whole store's summary on every
+    rank. See the module's docstring."""
+    started = time.perf_counter()
+    group, owned = open_group(group, timeout_s=timeout_s)
+    try:
+        return _run(inputs, normalize_prefix(output_prefix), config, group, started)
+    finally:
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> TokenizeSummary:
+    rank, world = group.rank, group.world_size
+    if world == 1:  # one process: straight into the store, no parts
+        return tokenize_to_store(inputs, output, config)
+    failure, mine, files, record, tokenizer, runs = None, [], [], None, None, []
+    try:
+        files = discover_inputs(inputs, input_format=config.input_format)
+        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod)
+        record = tokenizer.record(append_eod=config.append_eod)
+        runs = plan_pieces(files, config, world)
+        mine = [count_lines(p.source.path, *p.byte_range) if p.byte_range is not None else 0 for p in runs[rank]]
+    except Exception as exc:
+        failure = failure_from(exc, rank=rank, phase="tokenize plan", item=None)
+    counts = agree(group, failure, phase="tokenize plan", payload=mine)
+    runs = _number_lines(runs, counts)
+    parts_dir = output + PARTS_SUFFIX
+    part = os.path.join(parts_dir, f"part-{rank:05d}-of-{world:05d}")
+    summary = None
+    try:
+        if runs[rank]:
+            summary = _tokenize_part(runs[rank], part, config, tokenizer, record)
+    except Exception as exc:
+        failure = failure_from(exc, rank=rank, phase="tokenize", item=f"part {rank} of {world}")
+    summaries = agree(group, failure, phase="tokenize", payload=summary)
+    documents = sum(s["documents"] for s in summaries if s)
+    tokens = sum(s["tokens"] for s in summaries if s)
+    empty = sum(s["empty_documents"] for s in summaries if s)
+    skipped: Counter = Counter()
+    for s in summaries:
+        if s:
+            skipped.update(s["skipped"])
+    if rank == 0:
+        try:
+            metadata = store_metadata(record, files, config, documents=documents, tokens=tokens, empty=empty,
+                                      skipped=skipped)
+            parts = [os.path.join(parts_dir, f"part-{r:05d}-of-{world:05d}") for r in range(world) if runs[r]]
+            writer = IndexedDatasetWriter(output, dtype=IndexedDataset(parts[0]).dtype if parts else
+                                          _empty_dtype(record))
+            try:
+                for path in parts:
+                    writer.append_store(IndexedDataset(path))
+                writer.finalize(metadata)
+            except BaseException:
+                writer.abort()
+                raise
+            shutil.rmtree(parts_dir, ignore_errors=True)
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=output)
+    agree(group, failure, phase="tokenize merge")
+    return TokenizeSummary(prefix=output, tokenizer=record, num_files=len(files), num_documents=documents,
+                           num_tokens=tokens, num_empty=empty,
+                           skipped={k: v for k, v in skipped.items() if v}, elapsed_s=time.perf_counter() - started,
+                           ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")))
+
+
+def _empty_dtype(record):
+    from tokenloom.io import dtype_for_vocab
+
+    return dtype_for_vocab(record.vocab_size)
+
+
+def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, tokenizer, record) -> dict:
+    """Tokenize this rank's pieces into ``part`` (or keep the part a finished run left with the
+    same inputs and settings); returns its counts."""
+    wanted = {"format": PART_FORMAT, "pieces": [_describe(p) for p in pieces],
+              "settings": _settings(config, record.to_dict())}
+    manifest = part + ".json"
+    if os.path.isfile(manifest) and os.path.isfile(idx_path(part)):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                done = json.load(f)
+        except (OSError, ValueError):
+            done = None
+        if done is not None and {k: done.get(k) for k in wanted} == json.loads(json.dumps(wanted)):
+            return {**done["counts"], "kept": True}
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    if os.path.exists(manifest):
+        os.remove(manifest)  # an old part is not reused until its new manifest is written
+    own_files = list({p.source.path: p.source for p in pieces}.values())
+    summary = tokenize_pieces(own_files, pieces, part, config, tokenizer=tokenizer)
+    counts = {"documents": summary.num_documents, "tokens": summary.num_tokens, "empty_documents": summary.num_empty,
+              "skipped": dict(summary.skipped)}
+    write_json_atomic(manifest, {**wanted, "counts": counts})
+    return counts
+
+
+__all__ = ["PARTS_SUFFIX", "tokenize_on_ranks"]

@@ -1,0 +1,122 @@
+"""Tokenization divided over torchrun ranks (gloo, 127.0.0.1): the store is byte-identical to one
+process's for every number of ranks, large files split at line starts with their line numbers
+right, a failing rank fails every rank with the same message, and a rerun keeps finished parts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+from tokenloom.tokenization.pipeline import plan_pieces
+from tokenloom.tokenization.sources import discover_inputs
+
+pytest.importorskip("torch")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    """A large JSONL file (split between ranks), a gzipped one (whole), plain text files."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "in"
+    root.mkdir()
+    words = ["data", "layer", "token", "blend", "rank", "step", "ünïcode", "sample"]
+    with open(root / "a_big.jsonl", "w", encoding="utf-8") as f:
+        for k in range(3000):
+            text = " ".join(rng.choice(words, size=int(rng.integers(1, 60))))
+            f.write(json.dumps({"text": f"{k}: {text}", "id": k}) + "\n")
+    with gzip.open(root / "b_small.jsonl.gz", "wt", encoding="utf-8") as f:
+        for k in range(200):
+            f.write(json.dumps({"text": f"gz {k} " + "x" * k}) + "\n")
+    for k in range(5):
+        (root / f"c_doc{k}.txt").write_text(f"plain document {k}\n" * (k + 1), encoding="utf-8")
+    return root
+
+
+def _run(corpus, output, ranks: int, *extra, expect: int = 0) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), "-m", "tokenloom.cli", "tokenize", str(corpus),
+               "--output", str(output), "--workers", "0", "--chunk-size", "4096", *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == expect, result.stderr[-4000:]
+    return result
+
+
+def _run_ranks(corpus, output, ranks: int) -> list[subprocess.CompletedProcess]:
+    """The same command on ``ranks`` processes started directly (torchrun's environment, without
+    its agent, which stops the other ranks as soon as one fails): each rank's own outcome."""
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "tokenize", str(corpus), "--output",
+                                       str(output), "--workers", "0", "--chunk-size", "4096"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def _files(prefix) -> dict[str, bytes]:
+    return {suffix: open(f"{prefix}{suffix}", "rb").read() for suffix in (".bin", ".idx", ".meta.json")}
+
+
+def test_every_number_of_ranks_writes_the_one_process_store(corpus, tmp_path):
+    tokenize_to_store([str(corpus)], str(tmp_path / "one"), TokenizeConfig(workers=0))
+    expected = _files(tmp_path / "one")
+    files = discover_inputs([str(corpus)])
+    runs = plan_pieces(files, TokenizeConfig(), 3)
+    assert sum(1 for run in runs for p in run if p.byte_range is not None) >= 2  # the big file is split
+    for ranks in (2, 3):
+        result = _run(corpus, tmp_path / f"r{ranks}", ranks)
+        assert f"on {ranks} ranks" in result.stdout
+        assert _files(tmp_path / f"r{ranks}") == expected
+        assert not os.path.exists(f"{tmp_path / f'r{ranks}'}.parts")  # parts removed after the merge
+
+
+def test_a_bad_record_fails_every_rank_naming_its_file_and_line(corpus, tmp_path):
+    big = corpus / "a_big.jsonl"
+    lines = big.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[2500] = '{"text": broken\n'  # in the last third of the big file: not rank 0's piece
+    big.write_text("".join(lines), encoding="utf-8")
+    results = _run_ranks(corpus, tmp_path / "out", 3)
+    assert [r.returncode for r in results] == [2, 2, 2]
+    errors = {r.stderr.strip().splitlines()[-1] for r in results}
+    assert len(errors) == 1  # every rank raised the same error, naming the line as one process would
+    (error,) = errors
+    assert "failed in tokenize" in error and f"{big}:2501: " in error
+    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
+
+
+def test_a_rerun_keeps_the_parts_of_ranks_that_finished(corpus, tmp_path):
+    # one rank fails on a file only it reads; the others' parts survive and are reused as they are
+    bad = corpus / "c_doc4.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8\n")
+    results = _run_ranks(corpus, tmp_path / "out", 3)
+    assert all(r.returncode == 2 and "c_doc4.txt" in r.stderr for r in results)
+    parts = tmp_path / "out.parts"
+    kept = {p.name: p.stat().st_mtime_ns for p in parts.iterdir() if p.suffix == ".bin"}
+    assert kept and "part-00002-of-00003.bin" not in kept
+    bad.write_text("fixed document\n", encoding="utf-8")
+    result = _run(corpus, tmp_path / "out", 3)
+    assert f"{len(kept)} part(s) kept from an earlier run" in result.stdout
+    assert not parts.exists()
+    tokenize_to_store([str(corpus)], str(tmp_path / "one"), TokenizeConfig(workers=0))
+    assert _files(tmp_path / "out") == _files(tmp_path / "one")
