@@ -59,7 +59,10 @@ ALIGNMENT = 64
 _HASH_CHUNK = 1 << 24
 
 #: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
-PACK_BYTES = 1 << 29
+#: A rank holds what it has not published (up to this, plus two packs being written), so this bounds
+#: its memory: 16 MiB keeps a rank of a 16-rank build at 0.10 GiB added (BENCHMARKS.md, "Cluster
+#: scale"), for a few hundred packs per build of 3.7 GB.
+PACK_BYTES = 1 << 24
 
 log = logging.getLogger(__name__)
 
