@@ -124,7 +124,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     one = rows[0]["total_cpu_s"]
     print()
-    print("| ranks | largest rank CPU s | mean CPU s | total / 1 rank | rank 0 CPU s (merges) | most MiB read by a "
+    print("| ranks | largest rank CPU s | mean CPU s | total / 1 rank | rank 0 CPU s | most MiB read by a "
           "rank | MiB written by rank 0 | store identical to 1 rank |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:

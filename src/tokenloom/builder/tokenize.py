@@ -5,9 +5,12 @@ The inputs are cut into one run per rank of about equal bytes, in input order
 document text files are split at line starts, others go whole). Each rank counts the lines of its
 pieces so that every rank knows where its pieces' lines are numbered from (messages name the file
 and the line, as one process would), tokenizes them into a part store
-``OUTPUT.parts/part-RRRRR-of-WWWWW`` and records what it read beside it; rank 0 then concatenates
-the parts in order into ``OUTPUT`` with the metadata one process would write, so the store is
-byte-identical to ``tokenloom tokenize`` in one process, and removes the parts. A failure on any
+``OUTPUT.parts/part-RRRRR-of-WWWWW`` and records what it read beside it. Then the parts become one
+store without passing through one rank: rank 0 creates the store's hidden .bin at its final size,
+every rank copies its part's tokens into it at its offset, and rank 0 writes the .idx from the
+parts' lengths with the metadata one process would write, renames (the .idx last) and removes the
+parts. The store is byte-identical to ``tokenloom tokenize`` in one process. ``OUTPUT`` must be on
+a filesystem every rank sees. A failure on any
 rank fails every rank with the same message (the build's gloo group); a run restarted with the
 same command on the same number of ranks keeps every part whose inputs and settings are unchanged.
 """
@@ -23,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tokenloom.builder.collective import agree, failure_from, open_group
-from tokenloom.io import IndexedDataset, IndexedDatasetWriter
+from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
 from tokenloom.io.format import idx_path, normalize_prefix
 from tokenloom.io.writer import write_json_atomic
 from tokenloom.tokenization.pipeline import (
@@ -118,23 +121,39 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     for s in summaries:
         if s:
             skipped.update(s["skipped"])
+    # the parts into one store: every rank copies its part's tokens into the store's .bin at its
+    # offset (nothing passes through one rank), then rank 0 writes the .idx and renames
+    parts = [os.path.join(parts_dir, f"part-{r:05d}-of-{world:05d}") for r in range(world) if runs[r]]
+    sizes = [s["bin_bytes"] if s else 0 for s in summaries]
+    writer, target = None, None
     if rank == 0:
         try:
-            metadata = store_metadata(record, files, config, documents=documents, tokens=tokens, empty=empty,
-                                      skipped=skipped)
-            parts = [os.path.join(parts_dir, f"part-{r:05d}-of-{world:05d}") for r in range(world) if runs[r]]
-            writer = IndexedDatasetWriter(output, dtype=IndexedDataset(parts[0]).dtype if parts else
-                                          _empty_dtype(record))
-            try:
-                for path in parts:
-                    writer.append_store(IndexedDataset(path))
-                writer.finalize(metadata)
-            except BaseException:
-                writer.abort()
-                raise
-            shutil.rmtree(parts_dir, ignore_errors=True)
+            dtype = IndexedDataset(parts[0]).dtype if parts else dtype_for_vocab(record.vocab_size)
+            writer = IndexedDatasetWriter(output, dtype=dtype)
+            writer.reserve(sum(sizes))
+            target = writer.temp_bin_path
         except Exception as exc:
             failure = failure_from(exc, rank=rank, phase="tokenize merge", item=output)
+    try:
+        target = agree(group, failure, phase="tokenize merge", payload=target)[0]
+        try:
+            if runs[rank]:
+                _copy_into(part + ".bin", target, sum(sizes[:rank]))
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"part {rank} of {world}")
+        agree(group, failure, phase="tokenize merge")
+        if rank == 0:
+            try:
+                for path in parts:
+                    writer.append_store(IndexedDataset(path), copy_bytes=False)
+                writer.finalize(store_metadata(record, files, config, documents=documents, tokens=tokens,
+                                               empty=empty, skipped=skipped))
+                shutil.rmtree(parts_dir, ignore_errors=True)
+            except Exception as exc:
+                failure = failure_from(exc, rank=rank, phase="tokenize merge", item=output)
+    finally:
+        if writer is not None:
+            writer.abort()  # nothing once finalized; else the hidden .bin goes
     agree(group, failure, phase="tokenize merge")
     return TokenizeSummary(prefix=output, tokenizer=record, num_files=len(files), num_documents=documents,
                            num_tokens=tokens, num_empty=empty,
@@ -142,10 +161,13 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
                            ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")))
 
 
-def _empty_dtype(record):
-    from tokenloom.io import dtype_for_vocab
-
-    return dtype_for_vocab(record.vocab_size)
+def _copy_into(source: str, target: str, offset: int) -> None:
+    """Write the bytes of file ``source`` into file ``target`` from byte ``offset``, durably."""
+    with open(source, "rb") as src, open(target, "r+b") as dst:
+        dst.seek(offset)
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())
 
 
 def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, tokenizer, record) -> dict:
@@ -161,14 +183,14 @@ def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, 
         except (OSError, ValueError):
             done = None
         if done is not None and {k: done.get(k) for k in wanted} == json.loads(json.dumps(wanted)):
-            return {**done["counts"], "kept": True}
+            return {**done["counts"], "kept": True, "bin_bytes": os.path.getsize(part + ".bin")}
     os.makedirs(os.path.dirname(part), exist_ok=True)
     if os.path.exists(manifest):
         os.remove(manifest)  # an old part is not reused until its new manifest is written
     own_files = list({p.source.path: p.source for p in pieces}.values())
     summary = tokenize_pieces(own_files, pieces, part, config, tokenizer=tokenizer)
     counts = {"documents": summary.num_documents, "tokens": summary.num_tokens, "empty_documents": summary.num_empty,
-              "skipped": dict(summary.skipped)}
+              "skipped": dict(summary.skipped), "bin_bytes": os.path.getsize(part + ".bin")}
     write_json_atomic(manifest, {**wanted, "counts": counts})
     return counts
 

@@ -224,11 +224,26 @@ class IndexedDatasetWriter:
         self._boundary_chunks.append(self._num_sequences - lengths.size + 1 + np.arange(lengths.size, dtype=np.int64))
         self._last_boundary = self._num_sequences
 
-    def append_store(self, dataset) -> None:
+    @property
+    def temp_bin_path(self) -> str:
+        """The hidden .bin being written (renamed to ``PREFIX.bin`` by :meth:`finalize`)."""
+        return self._bin_tmp
+
+    def reserve(self, num_bytes: int) -> None:
+        """Size the hidden .bin to ``num_bytes`` so that other processes can write parts of it at
+        their offsets (then :meth:`append_store` with ``copy_bytes=False`` records each part)."""
+        self._check_open()
+        self._bin.flush()
+        os.truncate(self._bin_tmp, int(num_bytes))
+        self._bin.seek(0, os.SEEK_END)
+
+    def append_store(self, dataset, *, copy_bytes: bool = True) -> None:
         """Append every document of an open ``IndexedDataset``, copying its .bin as bytes.
 
         The caller validates ``dataset`` first (``tokenloom.io.validate``): its .bin must hold
-        exactly the tokens its .idx describes.
+        exactly the tokens its .idx describes. ``copy_bytes=False`` records the documents only:
+        their bytes were written into :attr:`temp_bin_path` at this point by someone else
+        (after :meth:`reserve`).
         """
         self._check_open()
         if self._num_sequences != self._last_boundary:
@@ -238,8 +253,9 @@ class IndexedDatasetWriter:
                 f"cannot append {dataset.prefix} (dtype {dataset.dtype}) to {self.prefix} "
                 f"(dtype {self.dtype}); stores must share one token dtype"
             )
-        with open(dataset.bin_path, "rb") as src:
-            shutil.copyfileobj(src, self._bin, 1 << 24)
+        if copy_bytes:
+            with open(dataset.bin_path, "rb") as src:
+                shutil.copyfileobj(src, self._bin, 1 << 24)
         self._length_chunks.append(np.array(dataset.sequence_lengths, dtype=np.int32))
         # boundaries of the appended documents, shifted past the sequences already written
         self._boundary_chunks.append(np.asarray(dataset.document_indices[1:]) + self._num_sequences)
