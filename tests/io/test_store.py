@@ -225,3 +225,29 @@ def test_beyond_2_31_tokens_offsets_are_exact(tmp_path):
     np.testing.assert_array_equal(ds.get(1, offset=4, length=3), [4, 5, 6])
     np.testing.assert_array_equal(ds.window(0, 2**31 - 3, 4), [0, 0, 0, 1])
     np.testing.assert_array_equal(ds.read_spans([1, 0], [9, 2**31 - 2], [2, 1]), [9, 10, 0])
+
+
+def test_parts_written_by_others_at_their_offsets_make_the_merged_store(tmp_path):
+    # what a divided tokenize does: the writer sizes its hidden .bin, other processes write each
+    # part's bytes at its offset, the writer records the parts' documents and finalizes
+    rng = np.random.default_rng(4)
+    parts = []
+    for k in range(3):
+        lengths = rng.integers(1, 50, size=20 + 10 * k)
+        with IndexedDatasetWriter(str(tmp_path / f"part{k}"), dtype=np.uint16) as writer:
+            writer.add_documents(rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16), lengths)
+            writer.finalize({"tokenizer": None})
+        parts.append(IndexedDataset(str(tmp_path / f"part{k}")))
+    merge_stores([p.prefix for p in parts], str(tmp_path / "merged"))
+    writer = IndexedDatasetWriter(str(tmp_path / "joined"), dtype=np.uint16)
+    sizes = [os.path.getsize(p.bin_path) for p in parts]
+    writer.reserve(sum(sizes))
+    for k, part in reversed(list(enumerate(parts))):  # any order: each at its own offset
+        with open(part.bin_path, "rb") as src, open(writer.temp_bin_path, "r+b") as dst:
+            dst.seek(sum(sizes[:k]))
+            dst.write(src.read())
+    for part in parts:
+        writer.append_store(part, copy_bytes=False)
+    writer.finalize()
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"joined{suffix}").read_bytes() == (tmp_path / f"merged{suffix}").read_bytes()
