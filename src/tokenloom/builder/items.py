@@ -16,6 +16,7 @@ document positions, samples and blend size; items go to ranks by longest-process
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -159,11 +160,17 @@ def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
 # ------------------------------------------------------------------------------------ resolution
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _split_bounds(split: str, num_sequences: int) -> tuple[tuple[int, int] | None, ...]:
+    """:func:`split_document_ranges` as plain tuples, once per (split string, store size): a plan
+    asks it several times for each of thousands of stores."""
+    return tuple(None if r is None else (r.begin, r.end) for r in split_document_ranges(split, num_sequences))
+
+
 def split_ranges(config: BuildConfig, num_sequences: int, prefix: str) -> list[tuple[int, int] | None]:
     """The sequence range of ``prefix`` each split uses (None: the split does not read it)."""
     if config.blend is not None:
-        ranges = split_document_ranges(config.split, num_sequences)
-        return [None if r is None else (r.begin, r.end) for r in ranges]
+        return list(_split_bounds(config.split, int(num_sequences)))
     out: list[tuple[int, int] | None] = []
     for index in range(len(SPLIT_NAMES)):
         blend = config.blend_per_split[index]
