@@ -208,23 +208,28 @@ class SampleStream:
         """This stream without the positions at or after logical ``position`` whose sample holds
         a piece of one of the ``(store prefix, document)`` ``items`` (in every segment)."""
         start = int(self.underlying(np.array([position]))[0])
-        found = [self._holding(prefix, document, start) for prefix, document in items]
         new = tuple(item for item in items if item not in self.quarantine)
         return self._with(quarantine=(*self.quarantine, *new),
-                          quarantined=np.concatenate([self.quarantined, *found]))
+                          quarantined=np.concatenate([self.quarantined, self._holding(items, start)]))
 
-    def _holding(self, prefix: str, document: int, start: int) -> np.ndarray:
-        """Underlying positions at or after ``start`` whose sample holds tokens of the document."""
+    def _holding(self, items, start: int) -> np.ndarray:
+        """Underlying positions at or after ``start`` whose sample holds tokens of one of the
+        ``(prefix, document)`` ``items``: their samples first, then one lookup per dataset."""
         from tokenloom.source import BlendedSource
         from tokenloom.source.provenance import positions_of, samples_holding
 
         if not isinstance(self.source, BlendedSource):
             raise ConfigError(f"quarantining a document needs the split of a build (a BlendedSource), not "
                               f"{type(self.source).__name__}")
+        by_dataset: dict[int, list[np.ndarray]] = {}
+        for prefix, document in items:
+            for d, sample_ids in samples_holding(self.source, prefix, document).items():
+                by_dataset.setdefault(d, []).append(sample_ids)
         bounds = [s.start for s in self.segments] + [self.underlying_samples]
-        out = []
-        for d, sample_ids in samples_holding(self.source, prefix, document).items():
-            base = positions_of(self.source, d, sample_ids)
+        out = [np.zeros(0, dtype=np.int64)]
+        for d, parts in by_dataset.items():
+            sample_ids = np.unique(np.concatenate(parts))
+            base = positions_of(self.source, d, sample_ids)  # exact mode: one pass over the blend
             out.append(base[base < bounds[0]])
             for k, segment in enumerate(self.segments):
                 blend, offsets = self._segment_blend(k)
@@ -232,7 +237,7 @@ class SampleStream:
                 local = local[(local >= 0) & (local < int(blend.counts[d]))]
                 positions = segment.start + blend.positions_of(np.full(local.shape[0], d, dtype=np.int64), local)
                 out.append(positions[positions < bounds[k + 1]])
-        found = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        found = np.concatenate(out)
         return found[found >= start]
 
     def _with(self, **changes) -> SampleStream:
@@ -263,8 +268,7 @@ class SampleStream:
                               quarantined=self.quarantined[self.quarantined < start])
         if not self.quarantine:
             return stream
-        found = [stream._holding(prefix, document, start) for prefix, document in self.quarantine]
-        return stream._with(quarantined=np.concatenate([stream.quarantined, *found]))
+        return stream._with(quarantined=np.concatenate([stream.quarantined, stream._holding(self.quarantine, start)]))
 
     def _usable_length(self) -> int:
         """Positions served before some dataset would need a sample its index does not hold."""
