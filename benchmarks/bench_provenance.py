@@ -27,15 +27,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _best(fn, repeat: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True)
@@ -45,6 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     import tokenloom
     from bench_build import bench_config
+    from bench_store import timed
 
     config = bench_config(args.corpus, 2048, 1.2, "100,0,0")
     num_documents = config.pop("num_documents")
@@ -59,8 +51,8 @@ def main() -> None:
         first = np.arange(1024, dtype=np.int64)
         last = np.arange(source.num_samples - 1024, source.num_samples, dtype=np.int64)
         source.where(first)  # warm: maps the arrays, loads the kernels
-        where_first = _best(lambda source=source, first=first: source.where(first))
-        where_last = _best(lambda source=source, last=last: source.where(last))
+        where_first = timed(lambda source=source, first=first: source.where(first), repeat=5)
+        where_last = timed(lambda source=source, last=last: source.where(last), repeat=5)
         rng = np.random.default_rng(0)
         documents = rng.integers(0, store.num_sequences, size=args.documents)
         started = time.perf_counter()

@@ -26,20 +26,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _io() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, value = line.split(":")
-            out[key] = int(value)
-    return out
-
-
 def child(rank: int, world: int, port: int, inputs: str, output: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from scale.ranks import _io
     from tokenloom.builder.tokenize import tokenize_on_ranks
     from tokenloom.tokenization import TokenizeConfig
 
