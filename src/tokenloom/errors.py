@@ -32,8 +32,13 @@ class InputError(TokenloomError, ValueError):
     """Raw input data (a JSON line, a text file, a Parquet column) cannot be used as given."""
 
 
+class StorageError(TokenloomError, RuntimeError):
+    """Object storage refused a request (403), or kept failing after every retry."""
+
+
 class BuildError(TokenloomError, RuntimeError):
     """Building an index failed; in a distributed build every rank raises the same one."""
 
 
-__all__ = ["BuildError", "ConfigError", "FormatError", "InputError", "PositionError", "TokenloomError"]
+__all__ = ["BuildError", "ConfigError", "FormatError", "InputError", "PositionError", "StorageError",
+           "TokenloomError"]

@@ -45,8 +45,10 @@ def _blend(value, what: str) -> dict | None:
         raise ConfigError(f"{what}={value!r}; expected megatron-core's (prefixes, weights) pair") from None
     for prefix in prefixes:
         if "://" in str(prefix):
-            raise ConfigError(f"{what} names {prefix!r}; tokenloom builds from stores on a filesystem, so load "
-                              "object-store prefixes with megatron-core's own builder")
+            raise ConfigError(f"{what} names {prefix!r}; this entry point hands the datasets to megatron-core to "
+                              "load, and does not set up megatron-core's object-storage reader: build from "
+                              "s3:// with tokenloom.build and serve with tokenloom's loaders, or load these "
+                              "prefixes with megatron-core's own builder")
     return {"prefixes": [str(p) for p in prefixes], "weights": None if weights is None else list(weights)}
 
 

@@ -20,6 +20,11 @@ recorded is never trusted (as git treats racily clean entries): the store is has
 its files are older than that (clocks of the hosts that write the stores and that build must agree
 within that margin). Filesystems that do not keep ctime (some object-store mounts)
 should use ``verify_stores="hash"``, which hashes every store on every build as before.
+
+A store on object storage (``s3://``) is recorded by each object's size, Last-Modified and ETag
+from a HEAD request. Every upload gives an object a new Last-Modified and ETag (the MD5 of the content
+for a plain upload), and nothing can set them back, so equal values mean the same objects; there is
+no racy window to wait out.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenloom.io import IndexedDataset
-from tokenloom.io.format import HEADER_SIZE, bin_path, idx_path, normalize_prefix
+from tokenloom.errors import TokenloomError
+from tokenloom.io import IndexedDataset, s3
+from tokenloom.io.format import bin_path, idx_path, normalize_prefix
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +106,16 @@ def _hash_array(digest, array: np.ndarray) -> None:
         digest.update(flat[begin:begin + _HASH_CHUNK])
 
 
-def _stat_record(path: str) -> list[int]:
+def _stat_record(path: str) -> list:
+    if s3.is_remote(path):
+        return _object_record(s3.head(path))
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _object_record(info) -> list:
+    """What the memo keeps of an object: size, Last-Modified and ETag (module docstring)."""
+    return [info.size, info.last_modified_ns, info.etag]
 
 
 def fingerprint_store(prefix: str, ranges_for, memo: FingerprintMemo | None = None) -> StoreInfo:
@@ -117,11 +130,13 @@ def fingerprint_store(prefix: str, ranges_for, memo: FingerprintMemo | None = No
         if known is not None:
             return known
     store = IndexedDataset(prefix)
-    stats = [_stat_record(store.idx_path), _stat_record(store.bin_path)]  # before reading: see RACY_NS
+    if store.is_remote:  # the HEADs the store was opened with (its .idx copy was checked against them)
+        stats = [_object_record(store.idx_info), _object_record(store.bin_info)]
+    else:
+        stats = [_stat_record(store.idx_path), _stat_record(store.bin_path)]  # before reading: see RACY_NS
     seen_ns = time.time_ns()
     digest = hashlib.sha256()
-    with open(store.idx_path, "rb") as f:
-        digest.update(f.read(HEADER_SIZE))
+    digest.update(store.header.pack())
     _hash_array(digest, store.sequence_lengths)
     fingerprint = StoreFingerprint(
         idx_bytes=stats[0][0], bin_bytes=stats[1][0],
@@ -170,7 +185,8 @@ class FingerprintMemo:
 
     @staticmethod
     def _key(prefix: str) -> str:
-        return os.path.abspath(normalize_prefix(prefix))
+        prefix = normalize_prefix(prefix)
+        return prefix if s3.is_remote(prefix) else os.path.abspath(prefix)
 
     def lookup(self, prefix: str, ranges_for) -> StoreInfo | None:
         """The recorded StoreInfo of ``prefix`` when its files are provably unchanged, else None."""
@@ -187,11 +203,11 @@ class FingerprintMemo:
         prefix_path = normalize_prefix(prefix)
         try:
             stats = [_stat_record(idx_path(prefix_path)), _stat_record(bin_path(prefix_path))]
-        except OSError:
+        except (OSError, TokenloomError):
             return None  # fingerprinting proper reports the missing file
         if stats != entry["stats"]:
             return None
-        if any(entry["seen_ns"] - max(stat[1], stat[2]) < RACY_NS for stat in stats):
+        if not s3.is_remote(prefix_path) and any(entry["seen_ns"] - max(stat[1], stat[2]) < RACY_NS for stat in stats):
             return None  # changed too close to when it was recorded: not provably unchanged
         wanted = ranges_for(entry["num_sequences"])
         known = {(b, e): t for b, e, t in entry["ranges"]}

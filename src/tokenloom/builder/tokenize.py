@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tokenloom.builder.collective import agree, failure_from, open_group
-from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, s3
 from tokenloom.io.format import idx_path, normalize_prefix
 from tokenloom.io.writer import write_json_atomic
 from tokenloom.tokenization.pipeline import (
@@ -46,9 +46,15 @@ PART_FORMAT = "tokenloom-tokenize-part"
 
 
 def _describe(piece: InputPiece) -> list:
-    stat = os.stat(piece.source.path)
-    begin, end = piece.byte_range if piece.byte_range is not None else (0, stat.st_size)
-    return [piece.source.path, stat.st_size, stat.st_mtime_ns, begin, end, piece.first_line]
+    """What a finished part must match to be kept: its input's identity (an object's ETag) and range."""
+    if s3.is_remote(piece.source.path):
+        info = s3.head(piece.source.path)
+        size, version = info.size, info.etag
+    else:
+        stat = os.stat(piece.source.path)
+        size, version = stat.st_size, stat.st_mtime_ns
+    begin, end = piece.byte_range if piece.byte_range is not None else (0, size)
+    return [piece.source.path, size, version, begin, end, piece.first_line]
 
 
 def _settings(config: TokenizeConfig, record: dict) -> dict:

@@ -2,16 +2,20 @@
 
 Opening a store reads only the 34-byte header and the file sizes; the arrays are
 views into a read-only memory map, so resident memory does not grow with the corpus.
+A prefix ``s3://bucket/key`` opens a store on object storage (:mod:`tokenloom.io.remote`): the
+same arrays over a node-local copy of its .idx, and tokens read from the .bin in cached blocks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 
 from tokenloom.errors import ConfigError, FormatError, PositionError
+from tokenloom.io import remote, s3
 from tokenloom.io.format import (
     HEADER_SIZE,
     IdxHeader,
@@ -47,16 +51,26 @@ class IndexedDataset:
         self.prefix = normalize_prefix(prefix)
         self.idx_path = idx_path(self.prefix)
         self.bin_path = bin_path(self.prefix)
-        for path in (self.idx_path, self.bin_path):
-            if not os.path.isfile(path):
-                raise FormatError(
-                    f"{path}: no such file; a token store needs both {self.prefix}.idx and "
-                    f"{self.prefix}.bin"
-                )
-        with open(self.idx_path, "rb") as f:
+        self.is_remote = s3.is_remote(self.prefix)
+        """An ``s3://`` store: its .idx is a node-local copy, its .bin is read in blocks (io.remote)."""
+        self.idx_info = self.bin_info = None
+        if self.is_remote:
+            s3.parse_url(self.idx_path)  # a malformed URL is a ConfigError before any request
+            self.idx_info, self.bin_info = s3.head(self.idx_path), s3.head(self.bin_path)
+            idx_size, self.bin_size = self.idx_info.size, self.bin_info.size
+            local_idx = remote.fetch_to_node_cache(self.idx_info)
+        else:
+            for path in (self.idx_path, self.bin_path):
+                if not os.path.isfile(path):
+                    raise FormatError(
+                        f"{path}: no such file; a token store needs both {self.prefix}.idx and "
+                        f"{self.prefix}.bin"
+                    )
+            local_idx = self.idx_path
+            idx_size, self.bin_size = os.path.getsize(self.idx_path), os.path.getsize(self.bin_path)
+        with open(local_idx, "rb") as f:
             head = f.read(HEADER_SIZE)
         self.header: IdxHeader = parse_header(head, self.idx_path)
-        idx_size = os.path.getsize(self.idx_path)
         expected = self.header.expected_idx_size()
         if idx_size != expected:
             raise FormatError(
@@ -65,7 +79,7 @@ class IndexedDataset:
                 f"document indices, which need exactly {expected} bytes; the file is "
                 f"{'truncated' if idx_size < expected else 'longer than its header says'}"
             )
-        self._idx = _map_readonly(self.idx_path)
+        self._idx = _map_readonly(local_idx)
         n, m = self.header.num_sequences, self.header.num_document_indices
         offset = HEADER_SIZE
         # sequence_lengths: (N,) int32; sequence_pointers: (N,) int64; document_indices: (M,) int64
@@ -77,7 +91,6 @@ class IndexedDataset:
 
         self.dtype: np.dtype = self.header.dtype
         self.itemsize: int = self.dtype.itemsize
-        self.bin_size = os.path.getsize(self.bin_path)
         if n:
             last_length = int(self.sequence_lengths[-1])
             last_pointer = int(self.sequence_pointers[-1])
@@ -88,10 +101,14 @@ class IndexedDataset:
                     f"(pointer {last_pointer}, length {last_length}) ends at byte {end} per "
                     f"{self.idx_path}; the .bin is truncated or belongs to another .idx"
                 )
-        bin_bytes = _map_readonly(self.bin_path)
-        usable = self.bin_size - self.bin_size % self.itemsize
-        # tokens: (bin_size // itemsize,) of self.dtype
-        self.tokens = bin_bytes[:usable].view(self.dtype)
+        if self.is_remote:
+            # tokens: reads (bin_size // itemsize,) tokens of self.dtype in blocks
+            self.tokens = remote.RemoteTokens(self.bin_info, self.dtype)
+        else:
+            bin_bytes = _map_readonly(self.bin_path)
+            usable = self.bin_size - self.bin_size % self.itemsize
+            # tokens: (bin_size // itemsize,) of self.dtype
+            self.tokens = bin_bytes[:usable].view(self.dtype)
         self._metadata: dict | None = None
         self._metadata_loaded = False
 
@@ -117,10 +134,13 @@ class IndexedDataset:
         """The ``PREFIX.meta.json`` sidecar (tokenizer record etc.), or None if absent."""
         if not self._metadata_loaded:
             path = meta_path(self.prefix)
-            if os.path.isfile(path):
+            text = s3.get_small(path) if self.is_remote else None
+            if text is not None or (not self.is_remote and os.path.isfile(path)):
                 try:
-                    with open(path, encoding="utf-8") as f:
-                        self._metadata = json.load(f)
+                    if text is None:
+                        with open(path, encoding="utf-8") as f:
+                            text = f.read()
+                    self._metadata = json.loads(text)
                 except (OSError, ValueError) as exc:
                     raise FormatError(f"{path}: unreadable sidecar JSON: {exc}") from exc
                 if not isinstance(self._metadata, dict):
@@ -193,6 +213,8 @@ class IndexedDataset:
         # starts: (num_spans,) int64 token positions in the .bin
         starts = self.sequence_pointers[sequence_ids] // self.itemsize + offsets
         total = int(lengths.sum())
+        if self.is_remote:
+            return self.tokens.read_runs(starts, lengths)
         if sequence_ids.size == 1:
             return np.array(self.tokens[starts[0] : starts[0] + total])
         # positions: (total,) int64 = start of each span + rank inside its span
@@ -200,6 +222,15 @@ class IndexedDataset:
         first_out = np.cumsum(lengths) - lengths
         positions = starts[span_of_token] + (np.arange(total) - first_out[span_of_token])
         return self.tokens[positions]
+
+    def copy_bin_to(self, fileobj) -> None:
+        """Write the whole .bin to the binary file ``fileobj`` (streamed; a remote one in large GETs)."""
+        if self.is_remote:
+            for chunk in self.tokens.iter_bytes():
+                fileobj.write(chunk)
+            return
+        with open(self.bin_path, "rb") as src:
+            shutil.copyfileobj(src, fileobj, 1 << 24)
 
     def close(self) -> None:
         """Drop the memory maps (views handed out earlier keep theirs alive)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 
 import numpy as np
@@ -25,6 +24,7 @@ from tokenloom.io.format import (
     meta_path,
     normalize_prefix,
 )
+from tokenloom.io.s3 import is_remote
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -130,6 +130,9 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix, *, dtype=np.uint16) -> None:
         self.prefix = normalize_prefix(prefix)
+        if is_remote(self.prefix):
+            raise ConfigError(f"{self.prefix}: stores are written to local (or parallel) filesystems only; write "
+                              "it to a local path and upload both files (for example with `aws s3 cp`)")
         self.dtype = check_token_dtype(dtype)
         directory = os.path.dirname(os.path.abspath(self.prefix))
         if not os.path.isdir(directory):
@@ -254,8 +257,7 @@ class IndexedDatasetWriter:
                 f"(dtype {self.dtype}); stores must share one token dtype"
             )
         if copy_bytes:
-            with open(dataset.bin_path, "rb") as src:
-                shutil.copyfileobj(src, self._bin, 1 << 24)
+            dataset.copy_bin_to(self._bin)
         self._length_chunks.append(np.array(dataset.sequence_lengths, dtype=np.int32))
         # boundaries of the appended documents, shifted past the sequences already written
         self._boundary_chunks.append(np.asarray(dataset.document_indices[1:]) + self._num_sequences)

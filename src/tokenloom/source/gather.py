@@ -7,6 +7,9 @@ Two backends, chosen from :data:`GATHER_BACKENDS` by :func:`gather_kernels` (ide
   below, compiled on first use by :mod:`tokenloom.index.kernels`);
 * ``"numpy"``: the same from vectorised index arithmetic and ``IndexedDataset.read_spans``.
 
+A store on object storage has no memory map to compile against: both backends read it with the
+numpy path, whose ``read_spans`` fetches the blocks of a whole micro-batch at once.
+
 A micro-batch is a few dozen spans of a few thousand tokens; what costs is the per-call
 overhead of a dozen small numpy operations, which the compiled loop removes.
 """
@@ -98,6 +101,9 @@ def _prepared_gpt(indices, store) -> tuple:
 
 def gpt_rows_numba(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
                    out_rows: np.ndarray) -> None:
+    if getattr(store, "is_remote", False):  # remote: read_spans fetches a batch's blocks at once
+        gpt_rows_numpy(indices, store, sample_ids, pad_id, out, out_rows)
+        return
     _, _, arrays, extra = _prepared_gpt(indices, store)
     bad = compiled(_gpt_rows_kernel)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows)
     if bad >= 0:
@@ -142,6 +148,9 @@ def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: n
 
 
 def span_rows_numba(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
+    if getattr(store, "is_remote", False):
+        span_rows_numpy(store, spans, pad_id, out, out_rows)
+        return
     bad = compiled(_span_rows_kernel)(
         _plain(store.tokens), _plain(store.sequence_pointers), np.int64(store.itemsize), spans.bounds,
         spans.document_ids, spans.offsets, spans.lengths, np.int64(pad_id), out, out_rows)

@@ -23,6 +23,8 @@ from glob import glob
 from typing import Any, BinaryIO
 
 from tokenloom.errors import ConfigError, InputError
+from tokenloom.io.remote import open_object
+from tokenloom.io.s3 import head, is_remote, list_objects
 
 INPUT_FORMATS = ("auto", "jsonl", "parquet", "text")
 """``auto`` picks the format of each file from its extension (``EXTENSION_FORMATS``)."""
@@ -163,7 +165,39 @@ def _walk_directory(directory: str, input_format: str) -> list[str]:
     return found
 
 
+def open_input(path: str, *, buffer_bytes: int = 8 << 20) -> BinaryIO:
+    """A seekable binary file over a local path or an ``s3://`` object (read in ranged GETs)."""
+    if is_remote(path):
+        return open_object(path, buffer_bytes=buffer_bytes)
+    return open(path, "rb")
+
+
+def _input_size(path: str) -> int:
+    return head(path).size if is_remote(path) else os.path.getsize(path)
+
+
+def _expand_remote(url: str, input_format: str) -> list[str]:
+    """One object, or every object under ``url`` as a folder (keys in order, as a directory walk)."""
+    listed = [path for path, _ in list_objects(url)]  # keys that start with url's key
+    if url in listed:
+        return [url]
+    folder = url if url.endswith("/") else url + "/"
+    found = []
+    for path in listed:
+        name = path.rsplit("/", 1)[-1]
+        if not path.startswith(folder) or not name or name.startswith(".") or name.endswith(_SIDECAR_SUFFIX):
+            continue
+        if detect_format(path, input_format)[0] is not None:
+            found.append(path)
+    if not found:
+        raise InputError(f"input {url}: no such object, and no readable object under {folder} (known "
+                         f"extensions {sorted(EXTENSION_FORMATS)}, optionally + .gz/.zst)")
+    return found
+
+
 def _expand(pattern: str, input_format: str) -> list[str]:
+    if is_remote(pattern):
+        return _expand_remote(pattern, input_format)
     if os.path.isfile(pattern):
         return [pattern]
     if os.path.isdir(pattern):
@@ -200,7 +234,7 @@ def discover_inputs(patterns: Sequence[str], *, input_format: str = "auto") -> l
     inputs = []
     for pattern in patterns:
         for path in _expand(os.fspath(pattern), input_format):
-            key = os.path.realpath(path)
+            key = path if is_remote(path) else os.path.realpath(path)
             if key in seen:
                 continue
             seen.add(key)
@@ -212,7 +246,7 @@ def discover_inputs(patterns: Sequence[str], *, input_format: str = "auto") -> l
                     "Parquet compresses its column chunks itself"
                 )
             inputs.append(
-                InputFile(path=path, format=fmt, compression=compression, size_bytes=os.path.getsize(path))
+                InputFile(path=path, format=fmt, compression=compression, size_bytes=_input_size(path))
             )
     return inputs
 
@@ -244,7 +278,7 @@ def _decompression_errors() -> tuple[type[BaseException], ...]:
 
 def _read_line_blobs(source: InputFile, kind: str, chunk_bytes: int,
                      byte_range: tuple[int, int] | None = None, first_line: int = 1) -> Iterator[RawChunk]:
-    with open(source.path, "rb") as raw:
+    with open_input(source.path) as raw:
         stream = open_binary(raw, source.compression)
         remaining = None
         if byte_range is not None:  # an uncompressed file's lines starting in [begin, end)
@@ -281,7 +315,7 @@ def _read_line_blobs(source: InputFile, kind: str, chunk_bytes: int,
 
 
 def _read_document(source: InputFile) -> Iterator[RawChunk]:
-    with open(source.path, "rb") as raw:
+    with open_input(source.path) as raw:
         data = open_binary(raw, source.compression).read()
     yield RawChunk(
         path=source.path,
@@ -307,7 +341,7 @@ def _require_pyarrow():
 def _read_parquet(source: InputFile, column: str, chunk_bytes: int) -> Iterator[RawChunk]:
     pa = _require_pyarrow()
     try:
-        parquet = pa.parquet.ParquetFile(source.path)
+        parquet = pa.parquet.ParquetFile(open_input(source.path) if is_remote(source.path) else source.path)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{source.path}: not a readable Parquet file: {exc}") from exc
     schema = parquet.schema_arrow
@@ -356,7 +390,7 @@ def line_start_at_or_after(path: str, offset: int, size: int) -> int:
     """The first position ``>= offset`` where a line starts (0, just after a newline, or ``size``)."""
     if offset <= 0:
         return 0
-    with open(path, "rb") as f:
+    with open_input(path, buffer_bytes=1 << 16) as f:
         f.seek(offset - 1)
         position = offset - 1
         while True:
@@ -372,7 +406,7 @@ def line_start_at_or_after(path: str, offset: int, size: int) -> int:
 def count_lines(path: str, begin: int, end: int) -> int:
     """Newlines in bytes ``[begin, end)`` of ``path``."""
     count = 0
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         f.seek(begin)
         remaining = end - begin
         while remaining > 0:
