@@ -330,6 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
 
         if outcome == "slow":
             proxy._stopping.wait(fault[1])
+        elif proxy.latency_s and _is_object_get(self.command, urlsplit(self.path).path):
+            proxy._stopping.wait(proxy.latency_s)
         self._send_head(status, reason, headers, len(data))
         if outcome == "cut":
             self.wfile.write(data[: len(data) // 2])
@@ -376,6 +378,9 @@ class FaultProxy:
         self.faults = 0
         self.connections = 0
         self.log: list[tuple[str, str, str | None, str]] = []
+        self.latency_s = 0.0
+        """Every object GET without a fault waits this long before answering (an endpoint's
+        first-byte latency, for benchmarks)."""
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -55,7 +55,7 @@ def world(tmp_path_factory):
 def _env(url: str, cache_dir) -> dict:
     return {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "TOKENLOOM_S3_CACHE_DIR": str(cache_dir),
-            "TOKENLOOM_S3_BLOCK_MIB": str(1 / 32), "TOKENLOOM_S3_BACKOFF_S": "0.01",
+            "TOKENLOOM_S3_BLOCK_KIB": "32", "TOKENLOOM_S3_BACKOFF_S": "0.01",
             "TOKENLOOM_S3_READ_TIMEOUT_S": "1", "TOKENLOOM_S3_CACHE_MIB": "0.25"}  # smaller than the stores
 
 
@@ -97,7 +97,8 @@ def _assert_same_served(a, b) -> None:
 
 
 @pytest.mark.parametrize("mode", ["exact", "stateless"])
-def test_a_build_from_s3_equals_the_local_build_and_serves_the_same_samples(world, through_proxy, tmp_path, mode):
+def test_a_build_from_s3_equals_the_local_build_and_serves_the_same_samples(world, through_proxy, tmp_path, mode,
+                                                                           monkeypatch):
     local = tb.build(_config(world["local"], tmp_path / "local", mode=mode))
     faults = through_proxy.faults
     through_proxy.fail_next(2, status=503, code="SlowDown")
@@ -110,9 +111,11 @@ def test_a_build_from_s3_equals_the_local_build_and_serves_the_same_samples(worl
     assert through_proxy.faults - faults == 8 and not through_proxy.pending
 
     gets = through_proxy.object_gets
+    monkeypatch.setenv("TOKENLOOM_S3_CACHE_DIR", str(tmp_path / "another-node"))
     again = tb.build(_config(world["remote"], tmp_path / "remote", mode=mode))
     assert not again.built_keys and again.build_key == remote.build_key
-    assert through_proxy.object_gets == gets  # a warm start: HEADs only, no object read again
+    assert through_proxy.object_gets == gets  # a warm start on a fresh node: HEADs only, no object read
+    assert not os.path.exists(tmp_path / "another-node")
 
 
 def test_two_torchrun_ranks_build_from_s3_what_one_local_process_builds(world, tmp_path):
@@ -166,3 +169,24 @@ def test_tokenizing_inputs_on_s3_equals_tokenizing_them_locally(world, through_p
     assert done.returncode == 0, done.stderr[-4000:]
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"ranks{suffix}").read_bytes() == (tmp_path / f"local{suffix}").read_bytes()
+
+
+def test_dataloader_workers_serve_s3_stores_like_local_ones(world, through_proxy, tmp_path):
+    """Forked DataLoader workers make their own S3 client, GET pool and block cache."""
+    torch = pytest.importorskip("torch")
+    from tokenloom.serve import BatchGeometry
+    from tokenloom.serve.torch_adapter import build_dataloader
+
+    geometry = BatchGeometry(global_batch_size=16, micro_batch_size=4, dp=1)
+    local = tb.build(_config(world["local"], tmp_path / "local")).split("train")
+    remote = tb.build(_config(world["remote"], tmp_path / "remote")).split("train")
+    # a first read in this process before the fork: its client, pool and cache must not leak into workers
+    read_batch(SampleStream(remote), np.arange(4))
+    through_proxy.fail_next(2)
+    through_proxy.cut_next(1)
+    expected = [batch["tokens"] for batch in build_dataloader(local, geometry, max_steps=6, stateful=False)]
+    got = [batch["tokens"] for batch in build_dataloader(remote, geometry, num_workers=2, max_steps=6,
+                                                         stateful=False)]
+    assert len(got) == len(expected) == 24
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

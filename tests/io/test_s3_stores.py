@@ -50,7 +50,7 @@ def proxy(endpoint):
 def _use(monkeypatch, tmp_path, url: str, **settings) -> None:
     env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "TOKENLOOM_S3_CACHE_DIR": str(tmp_path / "node-cache"),
-           "TOKENLOOM_S3_BLOCK_MIB": str(1 / 64), "TOKENLOOM_S3_BACKOFF_S": "0.01",
+           "TOKENLOOM_S3_BLOCK_KIB": "16", "TOKENLOOM_S3_BACKOFF_S": "0.01",
            "TOKENLOOM_S3_READ_TIMEOUT_S": "1", "TOKENLOOM_S3_MAX_ATTEMPTS": "12"}
     env.update(settings)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
@@ -260,10 +260,13 @@ def test_merge_reads_s3_inputs_and_refuses_an_s3_output(direct, stores, tmp_path
 
 
 def test_settings_from_the_environment_are_checked(direct, monkeypatch):
-    monkeypatch.setenv("TOKENLOOM_S3_BLOCK_MIB", "lots")
-    with pytest.raises(ConfigError, match="TOKENLOOM_S3_BLOCK_MIB='lots' is not a number"):
+    monkeypatch.setenv("TOKENLOOM_S3_BLOCK_KIB", "lots")
+    with pytest.raises(ConfigError, match="TOKENLOOM_S3_BLOCK_KIB='lots' is not a number"):
         s3.settings()
-    monkeypatch.setenv("TOKENLOOM_S3_BLOCK_MIB", "1")
+    monkeypatch.setenv("TOKENLOOM_S3_BLOCK_KIB", "0.5")
+    with pytest.raises(ConfigError, match=r"TOKENLOOM_S3_BLOCK_KIB='0\.5' must be at least 1"):
+        s3.settings()
+    monkeypatch.setenv("TOKENLOOM_S3_BLOCK_KIB", "64")
     monkeypatch.setenv("TOKENLOOM_S3_MAX_ATTEMPTS", "0")
     with pytest.raises(ConfigError, match="TOKENLOOM_S3_MAX_ATTEMPTS='0' must be at least 1"):
         s3.settings()
@@ -277,3 +280,32 @@ def test_the_cli_inspects_an_s3_store(direct, stores, capsys):
     report = json.loads(capsys.readouterr().out)
     report = report[0] if isinstance(report, list) else report
     assert report["prefix"] == remote[0] and report["consistent"]
+
+
+def test_writing_a_store_to_s3_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from tokenloom.builder.tokenize import tokenize_on_ranks
+    from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"text": "x"}\n', encoding="utf-8")
+    for tokenize in (tokenize_on_ranks, tokenize_to_store):
+        with pytest.raises(ConfigError, match=r"s3://bucket/out: stores are written to local"):
+            tokenize(["in.jsonl"], "s3://bucket/out", TokenizeConfig(workers=0))
+    assert os.listdir(tmp_path) == ["in.jsonl"]  # no "s3:" folder, no parts
+
+
+def test_consecutive_missing_blocks_are_fetched_in_one_get(faulty, stores, monkeypatch):
+    from tokenloom.io import remote
+
+    local, remote_prefixes = stores
+    monkeypatch.setattr(s3, "MAX_GET_BYTES", 64 << 10)  # 4 blocks of 16 KiB per GET
+    store, expected = IndexedDataset(remote_prefixes[2]), IndexedDataset(local[2])
+    remote.block_cache().clear()
+    blocks = -(-store.bin_size // (16 << 10))
+    np.testing.assert_array_equal(store.tokens[8192:8200], expected.tokens[8192:8200])  # block 1 only
+    before = faulty.object_gets
+    np.testing.assert_array_equal(store.tokens[:], expected.tokens[:])
+    # block 0 alone, then blocks 2.. in runs of at most 4
+    assert faulty.object_gets - before == 1 + -(-(blocks - 2) // 4)
+    ranges = [entry[2] for entry in faulty.log[-(faulty.object_gets - before):]]
+    assert f"bytes=0-{(16 << 10) - 1}" in ranges and f"bytes={32 << 10}-{(96 << 10) - 1}" in ranges

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tokenloom.builder.collective import agree, failure_from, open_group
+from tokenloom.errors import ConfigError
 from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, s3
 from tokenloom.io.format import idx_path, normalize_prefix
 from tokenloom.io.writer import write_json_atomic
@@ -86,6 +87,9 @@ def tokenize_on_ranks(inputs: Sequence[str] | str, output_prefix: str, config: T
     every rank; a job of one process tokenizes alone). Returns the whole store's summary on every
     rank. See the module's docstring."""
     started = time.perf_counter()
+    if s3.is_remote(str(output_prefix)):  # every rank has the same arguments: all refuse, none waits
+        raise ConfigError(f"{output_prefix}: stores are written to local (or parallel) filesystems only; write it "
+                          "to a local path and upload both files (for example with `aws s3 cp`)")
     group, owned = open_group(group, timeout_s=timeout_s)
     try:
         return _run(inputs, normalize_prefix(output_prefix), config, group, started)

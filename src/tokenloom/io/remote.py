@@ -10,7 +10,8 @@ file lock makes the ranks of a node download it once; the others wait and map th
 
 **The .bin** is never downloaded whole: :class:`RemoteTokens` looks like a read-only 1-D token array
 (slices and integer-array indexing) and reads aligned blocks of ``block_bytes`` with ranged GETs,
-several at once, through :class:`BlockCache`, an LRU bounded in bytes. Blocks are keyed by URL and
+several at once (consecutive blocks in one GET), through :class:`BlockCache`, an LRU bounded in
+bytes. Blocks are keyed by URL and
 ETag, so a cache never answers for another version.
 """
 
@@ -147,6 +148,12 @@ class BlockCache:
     def num_bytes(self) -> int:
         return self._bytes
 
+    def clear(self) -> None:
+        """Drop every block (to give the memory back, or to time cold reads)."""
+        with self._lock:
+            self._blocks.clear()
+            self._bytes = 0
+
 
 _shared_lock = threading.Lock()
 _shared: dict = {}
@@ -164,6 +171,7 @@ def _shared_state(conf: s3.S3Settings):
 
 
 def block_cache() -> BlockCache:
+    """This process's block cache (its hits, misses and size; ``clear()`` empties it)."""
     return _shared_state(s3.settings())[0]
 
 
@@ -207,22 +215,33 @@ class RemoteTokens:
 
     # -- reads --------------------------------------------------------------------------------
     def _blocks(self, block_ids: np.ndarray) -> list[bytes]:
-        """The blocks ``block_ids`` (ascending, unique), fetched concurrently where not cached."""
+        """The blocks ``block_ids`` (ascending, unique); those not cached are fetched concurrently,
+        each run of consecutive ones in one GET of at most ``MAX_GET_BYTES``."""
         cache, pool = _shared_state(s3.settings())
-        found: list[bytes | None] = [cache.get((self.info.url, self.info.etag, int(b))) for b in block_ids]
-        missing = [k for k, block in enumerate(found) if block is None]
-        if missing:
-            def fetch(block_id: int) -> bytes:
-                start = block_id * self.block_bytes
-                return s3.get_range(self.info, start, min(self.info.size, start + self.block_bytes))
-
-            if len(missing) == 1:
-                fetched = [fetch(int(block_ids[missing[0]]))]
+        ids = [int(b) for b in block_ids]
+        found: list[bytes | None] = [cache.get((self.info.url, self.info.etag, b)) for b in ids]
+        runs: list[list[int]] = []  # [index in ids of the first block, blocks]
+        per_get = max(1, s3.MAX_GET_BYTES // self.block_bytes)
+        for k, block in enumerate(found):
+            if block is not None:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == k and ids[k - 1] + 1 == ids[k] and runs[-1][1] < per_get:
+                runs[-1][1] += 1
             else:
-                fetched = list(pool.map(fetch, [int(block_ids[k]) for k in missing]))
-            for k, block in zip(missing, fetched):
-                found[k] = block
-                cache.put((self.info.url, self.info.etag, int(block_ids[k])), block)
+                runs.append([k, 1])
+        if not runs:
+            return found  # type: ignore[return-value]
+
+        def fetch(run: list[int]) -> bytes:
+            start = ids[run[0]] * self.block_bytes
+            return s3.get_range(self.info, start, min(self.info.size, start + run[1] * self.block_bytes))
+
+        fetched = [fetch(runs[0])] if len(runs) == 1 else list(pool.map(fetch, runs))
+        for (first, count), data in zip(runs, fetched):
+            for j in range(count):
+                block = data[j * self.block_bytes: (j + 1) * self.block_bytes]
+                found[first + j] = block
+                cache.put((self.info.url, self.info.etag, ids[first + j]), block)
         return found  # type: ignore[return-value]
 
     def _buffer(self, block_ids: np.ndarray) -> np.ndarray:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "s3://"
 
+MAX_GET_BYTES = 8 << 20
+"""The most bytes one GET of consecutive .bin blocks asks for."""
+
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                              "RequestLimitExceeded", "TooManyRequests", "InternalError", "ServiceUnavailable"})
 
@@ -70,10 +73,12 @@ def _env_number(name: str, default: float, *, minimum: float, integer: bool = Fa
 class S3Settings:
     """How tokenloom reads object storage; :meth:`from_env` reads the ``TOKENLOOM_S3_*`` variables."""
 
-    block_bytes: int = 1 << 20
-    """``TOKENLOOM_S3_BLOCK_MIB`` (default 1): .bin reads are ranged GETs of whole aligned blocks of
-    this size. Larger blocks suit sequential reads; a shuffled sample of a few KiB pays for a whole
-    block, and on S3 a GET of 1 MiB costs little more time than one of 4 KiB."""
+    block_bytes: int = 64 << 10
+    """``TOKENLOOM_S3_BLOCK_KIB`` (default 64): the unit of .bin reads and of the block cache. Shuffled
+    samples share no blocks, so every byte of a block beyond the sample is waste: at seq 2048 a 64 KiB
+    block fetches about 40 bytes per 2-byte token served, a 1 MiB one about 500, for the same number
+    of GETs (BENCHMARKS.md). Consecutive missing blocks are fetched in one GET of up to
+    :data:`MAX_GET_BYTES`, so sequential reads still make large requests."""
     cache_bytes: int = 256 << 20
     """``TOKENLOOM_S3_CACHE_MIB`` (default 256): the most block bytes one process keeps in memory."""
     cache_dir: str = ""
@@ -98,7 +103,7 @@ class S3Settings:
         import tempfile
 
         return cls(
-            block_bytes=int(_env_number("TOKENLOOM_S3_BLOCK_MIB", 1, minimum=1 / 64) * (1 << 20)) // 8 * 8,
+            block_bytes=int(_env_number("TOKENLOOM_S3_BLOCK_KIB", 64, minimum=1) * 1024) // 8 * 8,
             cache_bytes=int(_env_number("TOKENLOOM_S3_CACHE_MIB", 256, minimum=0) * (1 << 20)),
             cache_dir=os.environ.get("TOKENLOOM_S3_CACHE_DIR")
             or os.path.join(tempfile.gettempdir(), f"tokenloom-s3-{uid}"),
@@ -312,5 +317,5 @@ def get_small(url: str) -> bytes | None:
     return get_range(info, 0, info.size)
 
 
-__all__ = ["SCHEME", "STATS", "ObjectInfo", "S3Settings", "get_range", "get_small", "head", "is_remote",
-           "list_objects", "parse_url", "settings"]
+__all__ = ["MAX_GET_BYTES", "SCHEME", "STATS", "ObjectInfo", "S3Settings", "get_range", "get_small", "head",
+           "is_remote", "list_objects", "parse_url", "settings"]

@@ -17,7 +17,9 @@ stage consumes them through the :class:`~tokenloom.source.protocol.SampleSource`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +27,7 @@ import numpy as np
 from tokenloom.errors import ConfigError, PositionError
 from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
+from tokenloom.io.s3 import settings
 from tokenloom.source.protocol import DatasetInfo
 from tokenloom.source.readers import DatasetReader, resolve_eod
 from tokenloom.validate import check_positions
@@ -89,16 +92,20 @@ class DirectLocator:
 
 
 def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo | DatasetReader], width: int,
-                    fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray:
+                    fill: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None],
+                    concurrently: bool = False) -> np.ndarray:
     """``(B, width)`` int64 tokens of (dataset, sample) pairs, gathered one dataset at a time.
 
     Every dataset id and sample id is checked first against ``datasets`` (anything with ``name``
     and ``num_samples``; PositionError names the first one out of range); then
     ``fill(d, rows, sample_ids_of_d, out)`` writes dataset ``d``'s samples into ``out[rows]``.
+    ``concurrently``: the datasets' fills run on a thread pool (for stores on object storage, whose
+    reads wait on the network; the rows of different datasets never overlap).
     """
     dataset_ids = np.asarray(dataset_ids, dtype=np.int64)
     sample_ids = np.asarray(sample_ids, dtype=np.int64)
     out = np.empty((dataset_ids.shape[0], width), dtype=np.int64)  # (B, seq_length + extra)
+    tasks = []
     for d in np.unique(dataset_ids):
         if not 0 <= d < len(datasets):
             raise PositionError(f"dataset id {int(d)}; the blend has {len(datasets)} datasets")
@@ -109,8 +116,32 @@ def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo |
             bad = int(wanted.min()) if wanted.min() < 0 else int(wanted.max())
             raise PositionError(f"dataset {int(d)} ({datasets[d].name}) asked for sample {bad} but its index "
                                 f"holds {available}; build it with more samples")
-        fill(int(d), rows, wanted, out)
+        tasks.append((int(d), rows, wanted))
+    pool = _fill_pool() if concurrently and len(tasks) > 1 else None
+    if pool is not None:
+        for done in [pool.submit(fill, d, rows, wanted, out) for d, rows, wanted in tasks]:
+            done.result()
+    else:
+        for d, rows, wanted in tasks:
+            fill(d, rows, wanted, out)
     return out
+
+
+_fill_pools: dict[tuple, ThreadPoolExecutor] = {}
+
+
+def _fill_pool() -> ThreadPoolExecutor | None:
+    """This process's pool for concurrent fills, ``TOKENLOOM_S3_CONCURRENCY`` threads (None for 1:
+    one dataset after another); a forked child makes its own."""
+    threads = settings().concurrency
+    if threads < 2:
+        return None
+    key = (os.getpid(), threads)
+    pool = _fill_pools.get(key)
+    if pool is None:
+        _fill_pools.clear()
+        pool = _fill_pools[key] = ThreadPoolExecutor(threads, "tokenloom-fill")
+    return pool
 
 
 class BlendedSource:
@@ -145,6 +176,8 @@ class BlendedSource:
         if len(self._budgets) != len(readers):
             raise ConfigError(f"{len(self._budgets)} budgets for {len(readers)} datasets; expected one per dataset")
         self._datasets: tuple[DatasetInfo, ...] | None = None
+        self._remote = any(getattr(reader, "is_remote", False) for reader in self.readers)
+        """Some store is on object storage: a batch reads its datasets concurrently."""
 
     # -- SampleSource ---------------------------------------------------------------------------
     @property
@@ -196,7 +229,8 @@ class BlendedSource:
             self.readers[d].read_into(wanted, out, rows, backend=self.backend)
 
         return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers,
-                               width=self._seq_length + int(self._add_extra_token), fill=fill)
+                               width=self._seq_length + int(self._add_extra_token), fill=fill,
+                               concurrently=self._remote)
 
     def __getitem__(self, position: int) -> np.ndarray:
         """Tokens of one blend position (megatron-core's ``BlendedDataset[i]["text"]``)."""

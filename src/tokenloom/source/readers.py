@@ -27,6 +27,7 @@ from tokenloom.errors import ConfigError, FormatError
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID, GPTIndices
 from tokenloom.index.stateless import SampleSpans, StatelessGPTIndex
 from tokenloom.io import IndexedDataset
+from tokenloom.io.s3 import is_remote
 from tokenloom.source.gather import gather_kernels
 
 
@@ -160,6 +161,13 @@ class DatasetReader:
     def prefix(self) -> str:
         """The store's path prefix."""
         return self._prefix if self._prefix is not None else self.store.prefix
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the store is on object storage (known without opening it)."""
+        if self._prefix is not None:
+            return is_remote(self._prefix)
+        return bool(getattr(self._store, "is_remote", False))
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
                   backend: str | None = None) -> None:
