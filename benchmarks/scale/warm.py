@@ -13,11 +13,16 @@ tokenloom build (not timed here) fills tokenloom's cache and, through
 Rows, each the build call of every rank of a fresh launch (``scale/ranks.py``'s harness: CPU
 seconds of the call, threads included; interpreter start and imports excluded):
 
-* tokenloom, 1/4/16 ranks, ``verify_stores="stat"`` (the default): stores checked against the
-  fingerprint memo by ``stat``;
-* the same with ``verify_stores="hash"``: every store opened and its lengths hashed again;
+* tokenloom, 1/4/16 ranks, ``verify_stores="stat"`` (the default): every rank ``stat``s its share
+  of the stores against the warm-start record the previous start kept, and takes its plan
+  (``tokenloom.builder.starts``);
+* the same with ``verify_stores="hash"``: no record; every store opened and its lengths hashed
+  again, and the plan made again;
 * the same with ``megatron_cache_dir`` set (each rank also checks its share of megatron-core's
   cache files).
+
+Before a variant's timed launches one untimed launch of it keeps its record, as the job's
+previous start would have.
 
 megatron-core's warm load (one process: each rank of a megatron-core job loads the whole blend
 itself, so one process's time is every rank's time): its builder with the default options, then
@@ -127,6 +132,7 @@ def warm_start_table(work: str, *, corpus: str | None = None, ranks=(1, 4, 16), 
                 ("tokenloom, verify_stores=hash", dict(config, verify_stores="hash")),
                 ("tokenloom, stat, megatron_cache_dir checked", dict(config, megatron_cache_dir=megatron_cache))]
     for what, cfg in variants:
+        launch(1, cfg, cache, "exact")  # untimed: keeps this config's warm-start record, as any earlier start would
         for n in ranks:
             row = _row(what, launch(n, cfg, cache, "exact"))
             out["rows"].append(row)

@@ -53,7 +53,7 @@ def main() -> None:
                 result = tb.build(config, dry_run=step.get("dry_run", False), _before_item=before_item)
                 outcome.update(ok=True, built=sorted(result.built_keys),
                                num_samples={n: s.num_samples for n, s in result.splits.items()},
-                               build_key=result.build_key,
+                               build_key=result.build_key, warm_start=result.warm_start,
                                first=[int(v) for v in result.split("train")[0][:8]])
             except BuildError as exc:
                 outcome.update(ok=False, error_type=type(exc).__name__, error=str(exc))

@@ -198,25 +198,33 @@ print(json.dumps(sorted(result.built_keys)))
 """
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_two_concurrent_builders_share_one_cache_correctly(stores, tmp_path):
-    config = blend_config(stores, tmp_path / "cache", train_samples=20000, rng_workers=0)
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    script = _CONCURRENT.format(src=os.path.abspath(src), config=json.dumps(config))
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for _ in range(2)]
-    outputs = [p.communicate(timeout=110) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outputs]
-    built = [set(json.loads(o[0].decode().strip().splitlines()[-1])) for o in outputs]
-    total = len(tb.build(config, dry_run=True).items)
-    # Every item was built, and mostly by one job only (the other waited on its lock and reused
-    # it); where the two jobs' lock waits form a cycle the kernel refuses the wait and both build
-    # the item -- which must still leave exactly the files a lone build writes (checked below).
-    assert len(built[0] | built[1]) == total
-    assert len(built[0] & built[1]) < total
-    assert tb.verify_cache(str(tmp_path / "cache")).ok
     tb.build(blend_config(stores, tmp_path / "alone", train_samples=20000))
-    assert cache_files(tmp_path / "cache") == cache_files(tmp_path / "alone")
+    shared_once = False
+    for attempt in range(3):
+        config = blend_config(stores, tmp_path / f"cache{attempt}", train_samples=20000, rng_workers=0)
+        script = _CONCURRENT.format(src=os.path.abspath(src), config=json.dumps(config))
+        procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(2)]
+        outputs = [p.communicate(timeout=110) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outputs]
+        built = [set(json.loads(o[0].decode().strip().splitlines()[-1])) for o in outputs]
+        total = len(tb.build(config, dry_run=True).items)
+        # Every item was built, whatever the timing, and the cache holds exactly the files a lone
+        # build writes. Mostly one job builds an item and the other waits on its lock and reuses
+        # it; but record locks belong to processes, so where one job's build thread waits on the
+        # other's blend thread and back, the kernel refuses the wait (EDEADLK) and both build
+        # (identical bytes). That can happen to every item of a run, so sharing is asked of one
+        # run in three.
+        assert len(built[0] | built[1]) == total
+        assert tb.verify_cache(str(tmp_path / f"cache{attempt}")).ok
+        assert cache_files(tmp_path / f"cache{attempt}") == cache_files(tmp_path / "alone")
+        if len(built[0] & built[1]) < total:
+            shared_once = True
+            break
+    assert shared_once, "in three runs the two jobs never shared an item: the item locks do not work"
 
 
 def test_import_does_not_import_torch():

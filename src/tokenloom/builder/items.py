@@ -147,9 +147,13 @@ COST_PER_ITEM_S = 2e-3
 """Fixed cost of an item: opening files, the record, renames."""
 COST_PER_STATELESS_DOCUMENT_S = 4e-9
 """Stateless mode: block prefix sums, per document."""
-COST_PER_MANIFEST_ITEM_S = 40e-6
-"""A writer rank's manifest, per item of the build: reading the item's record and writing its
-entry (23 us stateless, 70 us exact per item on rank 0 of 16 ranks sharing 2 cores)."""
+COST_PER_STATELESS_ITEM_S = 0.25e-3
+"""Fixed cost of a stateless ``gpt`` item (its record and two small arrays; 1.54 CPU-s for 3000
+items of 1e8 documents on one rank, of which 0.8 s the per-document sums)."""
+COST_PER_MANIFEST_ITEM_S = 15e-6
+"""A writer rank's manifest and warm-start record, per item of the build: reading the item's
+record, writing its entry, pickling the plan (10-13 us per item on one rank; like every cost here
+it grows about 5x on a rank of 16 sharing 2 cores, so the ratios hold)."""
 
 
 def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
@@ -226,7 +230,7 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         megatron = gpt_name(identifiers)
     else:
         output_bytes = 8 * (positions // 16 + 2) + 4096
-        cost = COST_PER_ITEM_S + COST_PER_STATELESS_DOCUMENT_S * positions
+        cost = COST_PER_STATELESS_ITEM_S + COST_PER_STATELESS_DOCUMENT_S * positions
     return WorkItem(kind="gpt", key=hash_key(params), split=split, label=f"gpt {split} {info.prefix}",
                     params=params, num_samples=samples, output_bytes=output_bytes, cost_s=cost,
                     megatron=megatron, prefix=info.prefix, epoch_plan=epoch_plan)

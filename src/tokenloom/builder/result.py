@@ -69,6 +69,9 @@ class BuildResult:
         self.traffic = None
         """This rank's collectives (a ``tokenloom.builder.collective.Traffic``: calls, bytes it
         sent, seconds inside them) over the whole build."""
+        self.warm_start = False
+        """True when this start took its plan from the warm-start record (nothing fingerprinted or
+        planned: :mod:`tokenloom.builder.starts`)."""
         self.rank_seconds: list[dict[str, float]] = []
         """Per rank of the build: ``predicted_s`` (the plan's estimate of its work on one core),
         ``wall_s`` and ``cpu_s`` (measured in the build phase; CPU of every thread and of the

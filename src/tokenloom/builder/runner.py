@@ -1,5 +1,8 @@
 """``tokenloom.build(config, group=None)``: the phases of a build, on every rank.
 
+0. **warm start** -- when the last build of this config kept its plan and every rank proves its
+   share of the stores unchanged (:mod:`tokenloom.builder.starts`), the ranks take that plan and
+   skip 1 and most of 2;
 1. **fingerprint** -- ranks fingerprint the stores round-robin (a store unchanged since the
    memo recorded it is not opened: :mod:`tokenloom.builder.stores`), make those stores' dataset
    items, and gather both;
@@ -9,11 +12,13 @@
 3. **build** -- each rank builds its items (locks per item, atomic publication);
 4. **transfer** -- without a shared filesystem, each finished item travels over the group to one
    writer per node that lacks it;
-5. **finalize** -- writers record the manifest (and the megatron-core cache), every rank opens
-   the result by mmap.
+5. **finalize** -- writers record the manifest (and the megatron-core cache) and keep the plan
+   for the next start; every rank opens the result by mmap.
 
 Each phase ends with :func:`tokenloom.builder.collective.agree`: statuses are gathered before anything
-else happens, and a failure anywhere raises the same BuildError on every rank.
+else happens, and a failure anywhere raises the same BuildError on every rank. (The build's
+measured work rides on its agreement, and opening the result shares finalize's: a collective
+costs every rank CPU time, most of all when ranks outnumber cores.)
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tokenloom._version import __version__
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION, Cache, PackWriter, host_record
 from tokenloom.builder.collective import (
     CollectiveBuildError,
+    Failure,
     agree,
     failure_from,
     node_key,
@@ -51,6 +57,7 @@ from tokenloom.builder.exact import (
 from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, dataset_items, plan_build, ranges_for
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
+from tokenloom.builder.starts import StartRecord, read_start, start_key, stores_unchanged, write_start
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
 from tokenloom.builder.stores import FingerprintMemo, StoreInfo, fingerprint_store
 from tokenloom.builder.transfer import pack_item, unpack_item
@@ -122,55 +129,56 @@ class _Build:
         self._cpu_mark = time.process_time()
         self.dry_run = dry_run
         start = time.perf_counter()
-        infos = self._fingerprint()
+        record = self._warm_start()
+        infos = None if record is not None else self._fingerprint()
         self._timed("fingerprint", start)
 
         start = time.perf_counter()
-        plan, nodes, present = self._plan()
+        plan, nodes, present = self._plan() if record is None else self._plan_from(record)
         self._timed("plan", start)
+        self.from_record = record is not None
         done = frozenset(k for k in (i.key for i in plan.items) if all(k in p for p in present.values()))
         if self.on_plan is not None:
             self.on_plan(plan, done)
         if dry_run:
             return plan
 
-        start, cpu = time.perf_counter(), _cpu_seconds()
-        records = self._build_items(plan)
+        start = time.perf_counter()
+        built, self.rank_seconds = self._build_items(plan)
         self._timed("build", start)
-        # every rank's predicted and measured work, for the manifest and the result
-        measured = {"rank": self.rank, "predicted_s": round(plan.seconds_per_rank()[self.rank], 6),
-                    "wall_s": self.timings["build_s"], "cpu_s": round(_cpu_seconds() - cpu, 6)}
-        self.rank_seconds = agree(self.group, None, phase="build", payload=measured)
 
         start = time.perf_counter()
         if not self.config.shared_fs:
-            self._transfer(plan, nodes, present, records)
+            self._transfer(plan, nodes, present, built)
         self._timed("transfer", start)
 
         start = time.perf_counter()
-        build_key, manifest_path = self._finalize(plan, infos, nodes, records)
+        build_key, failure = self._finalize(plan, infos, nodes, built)
         self._timed("finalize", start)
 
+        # open the result before the ranks agree, so that one collective covers both phases: it
+        # reads the packs every rank has (the build's agreement said so), not the manifest
         start = time.perf_counter()
         result = None
-        failure = None
-        try:
-            result = BuildResult(cache=self.cache, plan=plan, build_key=build_key, mode=self.config.mode,
-                                 manifest_path=manifest_path, seq_length=self.config.seq_length,
-                                 add_extra_token=self.config.add_extra_token,
-                                 weights=self._split_weights(plan), timings=self.timings,
-                                 built_keys=frozenset(records), rank=self.rank, budgets=self._budgets())
-        except Exception as exc:
-            failure = failure_from(exc, rank=self.rank, phase="open", item=None)
-        agree(self.group, failure, phase="open")
+        if failure is None:
+            try:
+                result = BuildResult(cache=self.cache, plan=plan, build_key=build_key, mode=self.config.mode,
+                                     manifest_path=self.cache.manifest_path(build_key),
+                                     seq_length=self.config.seq_length, add_extra_token=self.config.add_extra_token,
+                                     weights=self._split_weights(plan), timings=self.timings,
+                                     built_keys=frozenset(built), rank=self.rank, budgets=self._budgets())
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="open", item=None)
+        agree(self.group, failure, phase="finalize")
         result.rank_seconds = list(self.rank_seconds)
+        result.warm_start = self.from_record
         result.traffic = self.group.traffic.add(self.blend_group.traffic) if self.blend_group is not self.group \
             else self.group.traffic
         self._timed("open", start)
         result.timings.update(self.timings)
         if self.rank == 0:
             log.info("build %s: %d items, %d built, timings %s", build_key[:12], len(plan.items),
-                     len(records), self.timings)
+                     len(built), self.timings)
         return result
 
     # -- 1. fingerprint -------------------------------------------------------------------------
@@ -193,6 +201,7 @@ class _Build:
                 made = dataset_items(self.config, mine)
             except Exception as exc:
                 failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
+        self._memo = memo
         fresh = memo.fresh if memo is not None else {}
         gathered = agree(self.group, failure, phase="fingerprint",
                          payload=(mine, node_key(self.config.cache_dir), fresh, made))
@@ -216,7 +225,49 @@ class _Build:
             memo.merge_and_save(all_fresh)
         return self.infos
 
+    def _warm_start(self) -> StartRecord | None:
+        """The warm-start record's plan when every rank proves it current (its share of the stores
+        unchanged, every item and the manifest in its cache), else None on every rank
+        (:mod:`tokenloom.builder.starts`)."""
+        self.start_key = start_key(self.config)
+        if self.start_key is None:
+            return None
+        record, current = None, False
+        try:
+            record = read_start(self.cache.root, self.start_key)
+            if record is not None:
+                prefixes = self.config.prefixes
+                current = (stores_unchanged(record, prefixes, range(self.rank, len(prefixes), self.world))
+                           and os.path.isfile(self.cache.manifest_path(record.build_key))
+                           and all(self.cache.has(item.key) for item in record.items))
+        except Exception as exc:  # the general path reports real problems with their context
+            log.warning("warm-start record %s not used (%s: %s)", self.start_key, type(exc).__name__, exc)
+            current = False
+        answers = agree(self.group, None, phase="fingerprint",
+                        payload=(current, node_key(self.config.cache_dir), record.build_key if record else None))
+        if not all(ok for ok, _, _ in answers) or len({key for _, _, key in answers}) != 1:
+            return None
+        self._node_keys = [key for _, key, _ in answers]
+        return record
+
     # -- 2. plan --------------------------------------------------------------------------------
+    def _nodes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Each rank's writer (the rank that writes its cache directory) and the writers."""
+        if self.config.shared_fs:
+            return {rank: 0 for rank in range(self.world)}, {0: 0}
+        by_key = writers_by_node(self._node_keys)
+        nodes = {rank: by_key[key] for rank, key in enumerate(self._node_keys)}
+        return nodes, {w: w for w in set(nodes.values())}
+
+    def _plan_from(self, record: StartRecord):
+        """The plan of a warm-start record: every item present, nothing to build."""
+        nodes, writers = self._nodes()
+        keys = frozenset(item.key for item in record.items)
+        plan = assign_work(self.config, record.items, record.splits, self.world, [],
+                           writers=tuple(sorted(writers)))
+        self.writer_of = nodes
+        return plan, nodes, {writer: keys for writer in writers}
+
     def _plan(self):
         failure = None
         plan = None
@@ -225,13 +276,7 @@ class _Build:
             plan = plan_build(self.config, self.infos, self.world, made=self._made)
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
-        if self.config.shared_fs:
-            nodes = {rank: 0 for rank in range(self.world)}
-            writers = {0: 0}
-        else:
-            by_key = writers_by_node(self._node_keys)
-            nodes = {rank: by_key[key] for rank, key in enumerate(self._node_keys)}
-            writers = {w: w for w in set(nodes.values())}
+        nodes, writers = self._nodes()
         if plan is not None and self.rank in writers:
             try:
                 mine = {item.key for item in plan.items if self.cache.has(item.key)}
@@ -247,7 +292,10 @@ class _Build:
         return plan, nodes, present
 
     # -- 3. build -------------------------------------------------------------------------------
-    def _build_items(self, plan: BuildPlan) -> dict[str, dict]:
+    def _build_items(self, plan: BuildPlan) -> tuple[set[str], list[dict]]:
+        """Build this rank's items and ranges. Returns the keys of every item any rank built, and
+        every rank's predicted and measured work (for the manifest and the result)."""
+        started, cpu = time.perf_counter(), _cpu_seconds()
         mine = plan.items_of_rank(self.rank)
         exact = self.config.mode == "exact"
         gpt_jobs = [(item.prefix, item.params) for item in mine if item.kind == "gpt" and exact]
@@ -297,12 +345,13 @@ class _Build:
                 if failure is None:
                     failure = failure_from(exc, rank=self.rank, phase="build", item="publishing a pack")
             self.cache.close_locks()
-        gathered = agree(self.group, failure, phase="build", payload=records)
+        measured = {"rank": self.rank, "predicted_s": round(plan.seconds_per_rank()[self.rank], 6),
+                    "wall_s": round(time.perf_counter() - started, 6), "cpu_s": round(_cpu_seconds() - cpu, 6)}
+        # the keys alone: writers read the records from their cache for the manifest, and every
+        # rank unpickling every rank's records cost each rank as much as the manifest costs one
+        gathered = agree(self.group, failure, phase="build", payload=(sorted(records), measured))
         poller.stop()
-        merged: dict[str, dict] = {}
-        for part in gathered:
-            merged.update(part)
-        return merged
+        return {key for keys, _ in gathered for key in keys}, [work for _, work in gathered]
 
     def _build_and_queue(self, item: WorkItem, packs: PackWriter, records: dict, poller, get_draws) -> bool:
         """Build ``item`` under its lock and queue it for publication; False if another job had
@@ -362,7 +411,7 @@ class _Build:
 
     # -- 4. transfer ----------------------------------------------------------------------------
     def _transfer(self, plan: BuildPlan, nodes: dict[int, int], present: dict[int, set],
-                  records: dict[str, dict]) -> None:
+                  built: set[str]) -> None:
         writers = sorted(present)
         failure = None
         packs = PackWriter(self.cache)
@@ -371,7 +420,7 @@ class _Build:
                 if item.key in plan.divided:
                     continue  # every node's writer received every range while it was built
                 needing = [w for w in writers if item.key not in present[w]
-                           and not (item.key in records and nodes[plan.assignment[item.key]] == w)]
+                           and not (item.key in built and nodes[plan.assignment[item.key]] == w)]
                 if not needing:
                     continue
                 if item.key in plan.assignment:
@@ -408,21 +457,28 @@ class _Build:
         agree(self.group, failure, phase="transfer")
 
     # -- 5. finalize ----------------------------------------------------------------------------
-    def _finalize(self, plan: BuildPlan, infos, nodes, records) -> tuple[str, str | None]:
+    def _finalize(self, plan: BuildPlan, infos, nodes, built) -> tuple[str, Failure | None]:
+        """The build key; the writers write the manifest and keep the plan for the next start, and
+        ranks place megatron-core's files. Returns this rank's failure (the caller agrees)."""
         array_config = {name: value for name, value in self.config.to_dict().items() if name in ARRAY_FIELDS}
         build_key = make_build_key({
             "format": CACHE_FORMAT_VERSION, "config": array_config,
             "items": sorted(item.key for item in plan.items),
             "splits": [[s.name, list(s.dataset_keys), s.blend_key] for s in plan.splits],
         })
-        manifest_path = None
         failure = None
         writer = nodes[self.rank] == self.rank
         try:
             if writer:
                 manifest_path = self.cache.manifest_path(build_key)
-                if records or not os.path.isfile(manifest_path):  # a warm start keeps the manifest
-                    manifest_path = self._write_manifest(plan, infos, records, build_key, array_config)
+                if built or not os.path.isfile(manifest_path):  # a warm start keeps the manifest
+                    if infos is None:
+                        raise BuildError(f"{manifest_path}: the build's manifest vanished while the build "
+                                         "started from its warm-start record; run the build again")
+                    self._write_manifest(plan, infos, built, build_key, array_config)
+                if infos is not None and self.start_key is not None and self._memo is not None and not self.dry_run:
+                    write_start(self.cache.root, self.start_key, build_key=build_key, prefixes=self.config.prefixes,
+                                infos=infos, memo=self._memo, items=plan.items, splits=plan.splits)
             if self.config.megatron_cache_dir is not None:
                 # on a shared filesystem every rank places a share of the items; else each node's writer all
                 if self.config.shared_fs:
@@ -433,16 +489,15 @@ class _Build:
                     export_megatron_item(self.cache, item, self.config.megatron_cache_dir)
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="finalize", item=None)
-        paths = agree(self.group, failure, phase="finalize", payload=manifest_path)
-        return build_key, paths[nodes[self.rank]]
+        return build_key, failure
 
-    def _write_manifest(self, plan, infos, records, build_key, array_config) -> str:
+    def _write_manifest(self, plan, infos, built, build_key, array_config) -> str:
         entries = []
         for item in plan.items:
             record = self.cache.read_record(item.key)  # this node's copy (its own pack offsets)
             entries.append({
                 "key": item.key, "kind": item.kind, "split": item.split, "label": item.label,
-                "pack": record["pack"], "files": record["files"], "built_this_run": item.key in records,
+                "pack": record["pack"], "files": record["files"], "built_this_run": item.key in built,
                 "built_by_rank": record["built_by"]["rank"], "seconds": record["seconds"],
                 "megatron_md5": record.get("megatron_md5"),
             })

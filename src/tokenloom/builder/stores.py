@@ -184,7 +184,8 @@ class FingerprintMemo:
             log.warning("%s: unreadable store fingerprint memo (%s); hashing every store", path, exc)
 
     @staticmethod
-    def _key(prefix: str) -> str:
+    def key_of(prefix: str) -> str:
+        """The memo's key of ``prefix``: its URL, or its absolute path."""
         prefix = normalize_prefix(prefix)
         return prefix if s3.is_remote(prefix) else os.path.abspath(prefix)
 
@@ -197,7 +198,7 @@ class FingerprintMemo:
             return None
 
     def _lookup(self, prefix: str, ranges_for) -> StoreInfo | None:
-        entry = self.entries.get(self._key(prefix))
+        entry = self.entries.get(self.key_of(prefix))
         if entry is None:
             return None
         prefix_path = normalize_prefix(prefix)
@@ -219,7 +220,7 @@ class FingerprintMemo:
                          range_tokens=tuple((b, e, known[(b, e)]) for b, e in wanted))
 
     def record(self, info: StoreInfo, stats: list[list[int]], seen_ns: int) -> None:
-        key = self._key(info.prefix)
+        key = self.key_of(info.prefix)
         old = self.entries.get(key)
         ranges = {}
         if isinstance(old, dict) and old.get("stats") == stats:  # same files: keep the ranges counted before

@@ -82,8 +82,9 @@ def run_build(args) -> int:
     for name, split in result.splits.items():
         print(f"{name}: {split.num_samples:,} samples from {len(split.datasets)} dataset(s)")
     built = len(result.built_keys)
+    warm = " (warm start: stores unchanged, the kept plan taken)" if result.warm_start else ""
     print(f"build {result.build_key}: {len(result.plan.items)} items, {built} built, "
-          f"{len(result.plan.items) - built} reused; manifest {result.manifest_path}")
+          f"{len(result.plan.items) - built} reused{warm}; manifest {result.manifest_path}")
     timings = "  ".join(f"{k[:-2]} {v:.2f}s" for k, v in result.timings.items() if not k.endswith("_cpu_s"))
     print(f"timings (rank 0): {timings}")
     if built:
