@@ -19,8 +19,10 @@ number of datasets, so
 
 with ``a(datasets) = a * datasets / corpus_datasets`` when planning and opening grow with the
 datasets (an upper bound: part of ``a`` divides over ranks), or, where it was measured, the
-largest rank's CPU seconds of a warm start at ``datasets`` stores on 16 ranks (``warm.py``: the
-same fixed work, measured rather than scaled; ``fixed_s``), plus the largest
+largest rank's CPU seconds of a start at ``datasets`` stores on 16 ranks that takes the general
+path (``warm.py``'s ``verify_stores=hash`` rows: every store hashed, every item made, gathered and
+planned, as a cold build does; a start from a warm-start record skips that work; ``fixed_s``),
+plus the largest
 single item that cannot be divided (one store's dataset index: ``positions of the largest store
 x seconds per position``), which (2) assumes is below ``b * scale / R``; the function checks it.
 """
@@ -54,7 +56,7 @@ def project(rows: list[dict], *, mode: str, corpus_tokens: float, corpus_dataset
     return {"mode": mode, "a_s": a, "b_s": b, "tokens": tokens, "datasets": datasets, "ranks": ranks,
             "fixed_s": fixed, "divided_s": divided, "largest_item_s": item,
             "critical_path_s": fixed + max(divided, item), "points": points,
-            "fixed_from": "scaled" if fixed_s is None else "measured warm start"}
+            "fixed_from": "scaled" if fixed_s is None else "measured, general-path start"}
 
 
 def format_projection(projections: list[dict]) -> str:

@@ -115,6 +115,16 @@ def test_any_config_change_plans_again(stores, tmp_path, monkeypatch, trusting):
     assert tb.build(config).warm_start
 
 
+def test_a_record_of_other_planning_code_is_not_taken(stores, tmp_path, monkeypatch, trusting):
+    import tokenloom.builder.starts as starts_module
+
+    config = blend_config(stores, tmp_path / "cache")
+    tb.build(config)
+    monkeypatch.setattr(starts_module, "plan_code_digest", lambda: "an edited checkout")
+    assert not tb.build(config).warm_start
+    assert tb.build(config).warm_start  # kept again under the new code's key
+
+
 def test_a_missing_item_or_manifest_falls_back_and_rebuilds_it(stores, tmp_path, trusting):
     config = blend_config(stores, tmp_path / "cache")
     first = tb.build(config)

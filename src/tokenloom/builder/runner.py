@@ -116,6 +116,8 @@ class _Build:
         self.on_plan = on_plan if group.rank == 0 else None
         self.before_item = before_item
         self.timings: dict[str, float] = {}
+        self.start_key: str | None = None
+        self._memo: FingerprintMemo | None = None
 
     def _timed(self, phase: str, start: float) -> None:
         """Record the phase's wall seconds (``<phase>_s``) and this process's CPU seconds in it,

@@ -8,10 +8,11 @@ stores, all of it repeating the work of the previous start.
 
 So after a build, the writer rank of each cache directory keeps its plan in a **warm-start
 record**, ``CACHE/starts/<start key>.pickle``. The start key hashes the whole config (every field,
-not only the array fields: a changed field never reuses a record), tokenloom's version and the
-cache format. Beside the plan (its items and splits) the record holds, for every store of the
-config, the ``stat`` of both files that the store's fingerprint memo entry holds (size, mtime,
-ctime, inode, device) and when it was taken, and the build key.
+not only the array fields: a changed field never reuses a record), tokenloom's version, the cache
+format and the source of the modules that plan (:func:`plan_code_digest`). Beside the plan (its
+items and splits) the record holds, for every store of the config, the ``stat`` of both files
+that the store's fingerprint memo entry holds (size, mtime, ctime, inode, device) and when it was
+taken, and the build key.
 
 A later start with the same key takes the record when every rank finds, for its share of the
 stores, all ten values unchanged and both files older than the entry by ``stores.RACY_NS``, and
@@ -32,6 +33,9 @@ there.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 import io
 import logging
 import os
@@ -93,13 +97,37 @@ class StartRecord:
     """The plan's splits."""
 
 
+_PLAN_MODULES = (
+    "tokenloom.builder.config", "tokenloom.builder.items", "tokenloom.builder.megatron_names",
+    "tokenloom.builder.stores", "tokenloom.builder.starts", "tokenloom.index.blend", "tokenloom.index.blend_spec",
+    "tokenloom.index.packing", "tokenloom.index.split", "tokenloom.source.keys",
+)
+"""The modules whose code makes a plan from a config and fingerprints."""
+
+
+@functools.lru_cache(maxsize=1)
+def plan_code_digest() -> str:
+    """SHA-256 of the source of :data:`_PLAN_MODULES`: a record made by other planning code (an
+    edited checkout whose version did not change) is never taken. Empty where a source cannot be
+    read (the version alone then keys the code)."""
+    digest = hashlib.sha256()
+    for name in _PLAN_MODULES:
+        path = getattr(importlib.import_module(name), "__file__", None)
+        try:
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        except (OSError, TypeError):
+            return ""
+    return digest.hexdigest()
+
+
 def start_key(config: BuildConfig) -> str | None:
     """The key of ``config``'s warm-start record, or None where no record is kept (stores hashed
     on every build, or on object storage)."""
     if config.verify_stores != "stat" or any(s3.is_remote(p) for p in config.prefixes):
         return None
     return hash_key({"format": START_FORMAT, "version": START_VERSION, "cache_format": CACHE_FORMAT_VERSION,
-                     "tokenloom": __version__, "config": config.to_dict()})
+                     "tokenloom": __version__, "code": plan_code_digest(), "config": config.to_dict()})
 
 
 def record_path(cache_root: str, key: str) -> str:
