@@ -67,9 +67,11 @@ def test_verify_stores_hash_rehashes_every_store(config_file, tmp_path, capsys, 
     real = stores_module.IndexedDataset
     monkeypatch.setattr(stores_module, "IndexedDataset", lambda prefix: opened.append(prefix) or real(prefix))
     assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress"]) == 0
-    assert opened == []  # the memo answered for every store
+    assert opened == []  # the warm-start record answered for every store
+    assert "12 reused (warm start: stores unchanged, the kept plan taken)" in capsys.readouterr().out
     assert _run(["build", str(config_file), "--cache", str(cache), "--no-progress", "--verify-stores", "hash"]) == 0
-    assert len(opened) == 3 and "0 built, 12 reused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(opened) == 3 and "0 built, 12 reused;" in out and "warm start" not in out
 
 
 def test_bad_mode_combination_is_a_config_error(config_file, tmp_path):
