@@ -391,3 +391,17 @@ def test_a_key_list_that_disagrees_with_its_index_is_named(stores, tmp_path):
     report = tb.verify_cache(str(cache_dir))
     assert not report.ok
     assert any(p.startswith(f"{index}: its key list names") and "damaged" in p for p in report.problems)
+
+
+def test_streamed_records_are_the_copies_readers_take(stores, tmp_path):
+    result = tb.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
+    keys = [item.key for item in result.plan.items]
+    half = Cache(str(tmp_path / "cache"))
+    half.read_record(keys[0])  # one pack parsed already, the others known by their key lists
+    assert dict(half.stream_records(keys)) == {k: Cache(str(tmp_path / "cache")).read_record(k) for k in keys}
+    with pytest.raises(BuildError, match="cache item 0000 is missing"):
+        list(Cache(str(tmp_path / "cache")).stream_records(["0000"]))
+    pack = sorted((tmp_path / "cache" / "packs").glob("*.json"))[0]
+    pack.write_text("{not json")
+    with pytest.raises(FormatError, match=f"{pack}: unreadable pack index"):
+        list(Cache(str(tmp_path / "cache")).stream_records(keys))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -239,12 +240,67 @@ def ranges_blend(greedy, size, bounds, threads=1):
     return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs]), runs[-1].end_counts
 
 
+def ranges_blend_in_blocks(greedy, size, bounds, block, path, threads=1):
+    """The same, as tokenloom.builder.divided does it: each range computed and written one block
+    at a time into one pack file, then repaired block by block from the state each block was
+    recorded from (``_repair_blocks``); returns the file's two arrays and the blend's end state."""
+    from tokenloom.builder import divided
+
+    slots, total = divided.pack_layout(size, greedy.dataset_id_dtype)
+    with open(path, "wb") as f:
+        f.truncate(total)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        ranges = []
+        for a, b in itertools.pairwise(bounds):
+            windows = [(w, min(w + block, b)) for w in range(a, b, block)]
+            buffers = (np.empty(block, dtype=greedy.dataset_id_dtype), np.empty(block, dtype=np.int64))
+            counts, states = greedy.guess(a), []
+            start = counts.copy()
+            for w0, w1 in windows:
+                states.append(counts)
+                out = (buffers[0][:w1 - w0], buffers[1][:w1 - w0])
+                counts = greedy.fill(w0, w1, *out, counts=counts, threads=threads).end_counts
+                divided._write_block(fd, slots, w0, out)
+            ranges.append([mb.RangeRun(start, counts), windows, states, buffers])
+        rounds = 0
+        while not mb.ranges_settled([r[0] for r in ranges]):
+            runs = [r[0] for r in ranges]
+            for k, (run, windows, states, buffers) in enumerate(ranges):
+                true_start = np.zeros(greedy.num_datasets, dtype=np.int64) if k == 0 else runs[k - 1].end_counts
+                end = divided._repair_blocks(greedy, fd, slots, windows, states, true_start, buffers)
+                ranges[k][0] = mb.RangeRun(np.array(true_start), run.end_counts if end is None else end)
+            rounds += 1
+            assert rounds <= len(ranges)
+        out = [np.fromfile(path, dtype=slot.dtype, count=size, offset=slot.data_offset) for slot in slots]
+        return out[0], out[1], ranges[-1][0].end_counts
+    finally:
+        os.close(fd)
+
+
 @st.composite
 def rank_bounds(draw, size):
     """Range boundaries of 1 to 7 ranks over [0, size), empty ranges allowed (more ranks than work)."""
     ranks = draw(st.integers(1, 7))
     cuts = sorted(draw(st.lists(st.integers(0, size), min_size=ranks - 1, max_size=ranks - 1)))
     return [0, *cuts, size]
+
+
+@SETTINGS
+@given(weights=weight_vectors(), size=st.integers(1, 6000), data=st.data(), threads=st.integers(1, 3),
+       block=st.sampled_from([1, 7, 64, 500, 10**6]), replay=st.sampled_from([4, 1 << 16]))
+def test_ranges_in_blocks_through_a_file_identical_to_megatron_core(tmp_path_factory, weights, size, data, threads,
+                                                                    block, replay):
+    theirs = megatron(weights, size)
+    cuts = data.draw(rank_bounds(size // block if block <= size else 0))
+    bounds = [min(size, c * block) for c in cuts[:-1]] + [size]  # whole blocks, the last range takes the rest
+    path = str(tmp_path_factory.mktemp("blocks") / "blend.bin")
+    for choice in KERNEL_CHOICES:  # a short replay: block repairs that do not meet go on to the next block
+        with scan_limit(choice), patched(_MIN_CHUNK=16, _RESYNC_STEPS=replay):
+            greedy = mb.MegatronGreedy(weights, np.full(len(weights), -1, dtype=np.int64))
+            dataset_ids, sample_ids, end = ranges_blend_in_blocks(greedy, size, bounds, block, path, threads)
+            assert_same((dataset_ids, sample_ids), theirs)
+            np.testing.assert_array_equal(end, np.bincount(theirs[0], minlength=len(weights)))
 
 
 @SETTINGS

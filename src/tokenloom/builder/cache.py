@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,10 +59,10 @@ ALIGNMENT = 64
 _HASH_CHUNK = 1 << 24
 
 #: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
-#: A rank holds what it has not published (up to this, plus two packs being written), so this bounds
-#: its memory: 16 MiB keeps a rank of a 16-rank build at 0.10 GiB added (BENCHMARKS.md, "Cluster
-#: scale"), for a few hundred packs per build of 3.7 GB.
-PACK_BYTES = 1 << 24
+#: A rank holds what it has not published (up to this, plus one pack being written), so this bounds
+#: its memory: 8 MiB keeps it to 16 MiB of finished arrays (BENCHMARKS.md, "Cluster scale"), for
+#: about 500 packs per build of 3.7 GB.
+PACK_BYTES = 1 << 23
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class PackWriter:
     collected; ``close`` publishes the rest and waits, re-raising the first failure.
     """
 
-    def __init__(self, cache: Cache, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 2) -> None:
+    def __init__(self, cache: Cache, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 1) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.cache = cache
@@ -342,6 +342,38 @@ class Cache:
         if key in self._unparsed:
             self._resolve(key)
         return self._index[key]
+
+    def stream_records(self, keys) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(key, record)`` for each of ``keys``: the copy :meth:`entry` would give, read one pack
+        index at a time and not kept (a manifest of thousands of items without holding all their
+        records at once). Raises BuildError for a key no pack holds."""
+        self.refresh()
+        chosen: dict[str, list[str]] = {}  # pack index name -> the keys read from it
+        with self._index_lock:
+            for key in keys:
+                names = set(self._unparsed.get(key, ()))
+                names.update(os.path.basename(b)[: -len(".bin")] + ".json" for b in self._copies.get(key, {}))
+                if not names:
+                    raise BuildError(f"{self.root}: cache item {key} is missing; rebuild it")
+                chosen.setdefault(min(names), []).append(key)  # the first pack in name order, as entry()
+            parsed = {name: {k: self._copies[k][os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")]
+                             for k in wanted} for name, wanted in chosen.items() if name in self._parsed}
+        for name, wanted in sorted(chosen.items()):
+            if name in parsed:
+                records = parsed[name]
+            else:
+                path = os.path.join(self.root, PACKS_DIR, name)
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        records = json.load(f).get("items", {})
+                except (OSError, ValueError) as exc:
+                    raise FormatError(f"{path}: unreadable pack index: {exc}") from None
+            for key in wanted:
+                if key not in records:
+                    raise FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the pack's "
+                                      f"key list but not in its index; the pack index is damaged "
+                                      "(tokenloom cache verify)")
+                yield key, records[key]
 
     def copies(self, key: str) -> dict[str, dict[str, Any]]:
         """Every copy of item ``key``: pack .bin path -> record (empty if no pack holds it)."""

@@ -10,7 +10,8 @@ them straight into their place in one file:
 2. **Compute.** Rank ``r`` runs megatron's greedy over positions ``[bounds[r], bounds[r + 1])``
    from a guessed start state, on its threads (:class:`~tokenloom.index.megatron_blend.MegatronGreedy`).
 3. **Settle.** The ranks gather every range's start and end state; a range whose start was not
-   the end of the range before is repaired from it (``settle_range``), round after round until
+   the end of the range before is repaired from it (block by block, ``MegatronGreedy.repair``
+   from the greedy state each block was computed from), round after round until
    consecutive ranges agree. The arrays are then megatron-core's, byte for byte, for any number
    of ranks (the guess only decides how much is replayed).
 4. **Write.** Each rank writes its range of both arrays at their offsets (``os.pwrite``), hashes
@@ -52,7 +53,7 @@ from tokenloom.builder.cache import (
 from tokenloom.builder.collective import agree, failure_from
 from tokenloom.builder.items import WorkItem
 from tokenloom.errors import BuildError
-from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled, settle_range
+from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled
 from tokenloom.io.writer import fsync_dir
 
 #: The two arrays of a blend, in pack order, and the dtype of the second (the first is
@@ -182,48 +183,72 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
 
 def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: MegatronGreedy, slots, path: str,
                        prepared, writers: list[int], started: float) -> dict[str, Any]:
-    group, rank, world = ctx.group, ctx.group.rank, ctx.group.world_size
+    """Steps 2-5 for this rank's range, one block of positions at a time: a rank holds one block of
+    both arrays (``blend_block_samples`` positions, 10 MiB at the default), never its whole range,
+    and keeps the greedy's state at each block's start to repair blocks from."""
+    group, rank = ctx.group, ctx.group.rank
     a, b = bounds[rank], bounds[rank + 1]
-    # 2. compute this rank's range from a guessed start
-    failure = run = None
-    out_dataset = np.zeros(b - a, dtype=slots[0].dtype)  # (b - a,) megatron's dataset ids
-    out_sample = np.zeros(b - a, dtype=np.int64)  # (b - a,)
+    windows = [(w, min(w + ctx.block, b)) for w in range(a, b, ctx.block)]  # whole hash blocks
+    buffers = (np.empty(min(ctx.block, b - a), dtype=slots[0].dtype), np.empty(min(ctx.block, b - a), dtype=np.int64))
+    states: list[np.ndarray] = []  # (D,) the counts each block's recorded steps started from
+    fd = None
     try:
-        run = greedy.fill(a, b, out_dataset, out_sample, threads=ctx.threads)
-    except Exception as exc:
-        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
-    runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
-            agree(group, failure, phase="build", payload=None if run is None else (run.start_counts, run.end_counts))]
-    # 3. settle: repair each range from the end of the range before, until they agree
-    rounds = 0
-    while not ranges_settled(runs):
-        failure = None
+        # 2. compute this rank's range from a guessed start, block by block, writing each in place
+        failure = run = None
         try:
-            run = settle_range(greedy, bounds, runs, rank, out_dataset, out_sample)
+            fd = os.open(path, os.O_RDWR)
+            counts = greedy.guess(a)
+            start_counts = counts.copy()
+            for w0, w1 in windows:
+                states.append(counts)
+                out_dataset, out_sample = buffers[0][:w1 - w0], buffers[1][:w1 - w0]
+                counts = greedy.fill(w0, w1, out_dataset, out_sample, counts=counts, threads=ctx.threads).end_counts
+                _write_block(fd, slots, w0, (out_dataset, out_sample))
+            run = RangeRun(start_counts, counts)
         except Exception as exc:
             failure = failure_from(exc, rank=rank, phase="build", item=item.label)
-        runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
-                agree(group, failure, phase="build", payload=None if failure else (run.start_counts, run.end_counts))]
-        rounds += 1
-        if rounds > world:  # pragma: no cover - each round settles at least one more range
-            raise BuildError(f"{item.label}: the ranges did not settle in {world} rounds; this is a bug")
-    counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
-    lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)
-    over = np.flatnonzero(counts > lengths)
-    if over.size:
-        d = int(over[0])
-        raise BuildError(f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
-                         f"{int(lengths[d])}; raise mid_level_dataset_surplus (megatron-core fails here too)")
-    # 4. write the range in place (and to the writers of other nodes), hash its blocks
-    failure, digests = None, None
-    try:
-        digests = [block_digests(out, ctx.block) for out in (out_dataset, out_sample)]
-        _write_range(path, slots, a, (out_dataset, out_sample))
-    except Exception as exc:
-        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+        payload = None if run is None else (run.start_counts, run.end_counts)
+        runs = [RangeRun(np.asarray(s), np.asarray(e))
+                for s, e in agree(group, failure, phase="build", payload=payload)]
+        # 3. settle: repair each range from the end of the range before, until they agree
+        rounds = 0
+        while not ranges_settled(runs):
+            failure = None
+            try:
+                true_start = np.zeros(greedy.num_datasets, dtype=np.int64) if rank == 0 else runs[rank - 1].end_counts
+                end = _repair_blocks(greedy, fd, slots, windows, states, true_start, buffers)
+                run = RangeRun(np.array(true_start, dtype=np.int64), runs[rank].end_counts if end is None else end)
+            except Exception as exc:
+                failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+            runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
+                    agree(group, failure, phase="build",
+                          payload=None if failure else (run.start_counts, run.end_counts))]
+            rounds += 1
+            if rounds > group.world_size:  # pragma: no cover - each round settles at least one more range
+                raise BuildError(f"{item.label}: the ranges did not settle in {group.world_size} rounds; this is a bug")
+        counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
+        lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)
+        over = np.flatnonzero(counts > lengths)
+        if over.size:
+            d = int(over[0])
+            raise BuildError(f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
+                             f"{int(lengths[d])}; raise mid_level_dataset_surplus (megatron-core fails here too)")
+        # 4. hash the range's blocks as written (and send them to the writers of other nodes)
+        failure, digests = None, None
+        try:
+            digests = [[], []]
+            for w0, w1 in windows:
+                for k, data in enumerate(_read_block(fd, slots, w0, w1, buffers)):
+                    digests[k] += block_digests(data, ctx.block)
+            os.fsync(fd)
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+    finally:
+        if fd is not None:
+            os.close(fd)
     gathered = agree(group, failure, phase="build", payload=digests)
     if len(writers) > 1:
-        _send_ranges(ctx, item, bounds, slots, path, (out_dataset, out_sample))
+        _send_ranges(ctx, item, bounds, slots, path, buffers)
     # 5. publish: the writers record the hashes, rename the file and write the pack index
     record, failure = None, None
     if rank in writers:
@@ -235,47 +260,95 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
     return records[ctx.writer_of[rank]]
 
 
+def _repair_blocks(greedy: MegatronGreedy, fd: int, slots, windows, states: list[np.ndarray],
+                   true_start: np.ndarray, buffers) -> np.ndarray | None:
+    """Make the range megatron's steps from ``true_start``, block by block: each block is repaired
+    from the true state at its start (``MegatronGreedy.repair`` against the state it was recorded
+    from) until a block's true and recorded states meet, after which the rest of the range is
+    already right. ``states`` is updated to what the blocks now hold. Returns the range's new end
+    state, or None when it is unchanged."""
+    counts = np.array(true_start, dtype=np.int64)
+    for k, (w0, w1) in enumerate(windows):
+        if np.array_equal(counts, states[k]):
+            return None  # the runs meet at this block's start: from here the recorded run is the true one
+        out_dataset, out_sample = _read_block(fd, slots, w0, w1, buffers)
+        end = greedy.repair(w0, w1, counts, states[k], out_dataset, out_sample)
+        _write_block(fd, slots, w0, (out_dataset, out_sample))
+        states[k] = counts
+        if end is None:
+            return None  # they met inside this block
+        counts = end
+    return counts
+
+
+def _write_block(fd: int, slots, first: int, arrays) -> None:
+    """Positions ``first ..`` of both arrays, written at their offsets in the pack file."""
+    for slot, data in zip(slots, arrays):
+        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        offset = slot.data_offset + first * slot.dtype.itemsize
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+
+
+def _read_block(fd: int, slots, first: int, stop: int, buffers) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``first .. stop`` of both arrays from the pack file, into ``buffers``."""
+    out = []
+    for slot, buffer in zip(slots, buffers):
+        data = buffer[:stop - first]
+        view = memoryview(data).cast("B")
+        offset = slot.data_offset + first * slot.dtype.itemsize
+        while view:
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                raise BuildError(f"the blend's pack file ends before position {stop} of its {slot.name}; was it "
+                                 "truncated while the build ran? Rerun the build")
+            view, offset = view[got:], offset + got
+        out.append(data)
+    return out[0], out[1]
+
+
 def _write_range(path: str, slots, first: int, arrays) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
-        for slot, data in zip(slots, arrays):
-            view = memoryview(np.ascontiguousarray(data)).cast("B")
-            offset = slot.data_offset + first * slot.dtype.itemsize
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
+        _write_block(fd, slots, first, arrays)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, arrays) -> None:
-    """Without a shared filesystem: every rank's range to the writers of the other nodes."""
+def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, buffers) -> None:
+    """Without a shared filesystem: every rank's range to the writers of the other nodes, a block
+    at a time (each rank reads its blocks back from its node's file)."""
     group, rank = ctx.group, ctx.group.rank
     for source in range(group.world_size):
-        count = bounds[source + 1] - bounds[source]
-        if count == 0:
-            continue
-        nbytes = [count * slot.dtype.itemsize for slot in slots]
-        blob = b"".join(memoryview(np.ascontiguousarray(a)).cast("B").tobytes() for a in arrays) \
-            if rank == source else None
-        try:
-            data = group.broadcast_bytes(blob, source, sum(nbytes))
-        except Exception as exc:
-            raise BuildError(
-                f"rank {rank}: the process group failed while receiving positions {bounds[source]}.."
-                f"{bounds[source + 1]} of {item.label} from rank {source} ({type(exc).__name__}: {exc}); a rank "
-                "was killed or hung. Rerun the build: finished items are reused") from exc
-        failure = None
-        if rank == ctx.writer_of[rank] and ctx.writer_of[source] != rank:
+        for w0 in range(bounds[source], bounds[source + 1], ctx.block):
+            w1 = min(w0 + ctx.block, bounds[source + 1])
+            nbytes = [(w1 - w0) * slot.dtype.itemsize for slot in slots]
+            blob = None
+            if rank == source:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    blob = b"".join(memoryview(a).cast("B").tobytes() for a in _read_block(fd, slots, w0, w1, buffers))
+                finally:
+                    os.close(fd)
             try:
-                split = nbytes[0]
-                received = (np.frombuffer(data[:split], dtype=slots[0].dtype),
-                            np.frombuffer(data[split:], dtype=slots[1].dtype))
-                _write_range(path, slots, bounds[source], received)
+                data = group.broadcast_bytes(blob, source, sum(nbytes))
             except Exception as exc:
-                failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
-        agree(group, failure, phase="transfer")
+                raise BuildError(
+                    f"rank {rank}: the process group failed while receiving positions {w0}..{w1} of {item.label} "
+                    f"from rank {source} ({type(exc).__name__}: {exc}); a rank was killed or hung. Rerun the "
+                    "build: finished items are reused") from exc
+            failure = None
+            if rank == ctx.writer_of[rank] and ctx.writer_of[source] != rank:
+                try:
+                    split = nbytes[0]
+                    received = (np.frombuffer(data[:split], dtype=slots[0].dtype),
+                                np.frombuffer(data[split:], dtype=slots[1].dtype))
+                    _write_range(path, slots, w0, received)
+                except Exception as exc:
+                    failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+            agree(group, failure, phase="transfer")
 
 
 def _publish(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, gathered, rounds: int,

@@ -494,14 +494,18 @@ class _Build:
         return build_key, failure
 
     def _write_manifest(self, plan, infos, built, build_key, array_config) -> str:
+        # this node's copy of each record (its own pack offsets), one pack index at a time: the
+        # manifest keeps a few fields of each, not thousands of whole records
+        held = {key: (record["pack"], record["files"], record["built_by"]["rank"], record["seconds"],
+                      record.get("megatron_md5"))
+                for key, record in self.cache.stream_records([item.key for item in plan.items])}
         entries = []
         for item in plan.items:
-            record = self.cache.read_record(item.key)  # this node's copy (its own pack offsets)
+            pack, files, rank, seconds, md5 = held[item.key]
             entries.append({
                 "key": item.key, "kind": item.kind, "split": item.split, "label": item.label,
-                "pack": record["pack"], "files": record["files"], "built_this_run": item.key in built,
-                "built_by_rank": record["built_by"]["rank"], "seconds": record["seconds"],
-                "megatron_md5": record.get("megatron_md5"),
+                "pack": pack, "files": files, "built_this_run": item.key in built,
+                "built_by_rank": rank, "seconds": seconds, "megatron_md5": md5,
             })
         manifest = {
             "format": "tokenloom-build-manifest", "version": CACHE_FORMAT_VERSION,
