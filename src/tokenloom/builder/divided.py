@@ -8,15 +8,18 @@ them straight into their place in one file:
    one writer with a shared filesystem) takes the item's lock, creates the pack file in ``tmp/``
    at its final size with both arrays' ``.npy`` headers, and tells the other ranks its name.
 2. **Compute.** Rank ``r`` runs megatron's greedy over positions ``[bounds[r], bounds[r + 1])``
-   from a guessed start state, on its threads (:class:`~tokenloom.index.megatron_blend.MegatronGreedy`).
+   from a guessed start state, on its threads (:class:`~tokenloom.index.megatron_blend.MegatronGreedy`),
+   one block of ``blend_block_samples`` positions at a time, each written in place (``os.pwrite``)
+   as soon as it is computed: a rank holds one block of both arrays and the counts each block
+   started from, never its whole range.
 3. **Settle.** The ranks gather every range's start and end state; a range whose start was not
-   the end of the range before is repaired from it (block by block, ``MegatronGreedy.repair``
-   from the greedy state each block was computed from), round after round until
+   the end of the range before is repaired from it (block by block: read back, replayed with
+   ``MegatronGreedy.repair`` against the state the block was computed from, written again, until
+   the runs meet), round after round until
    consecutive ranges agree. The arrays are then megatron-core's, byte for byte, for any number
    of ranks (the guess only decides how much is replayed).
-4. **Write.** Each rank writes its range of both arrays at their offsets (``os.pwrite``), hashes
-   each block of ``blend_block_samples`` positions it holds, and syncs. Without a shared
-   filesystem a range also travels over the build's group to every other node's writer.
+4. **Hash.** Each rank reads its blocks back, hashes each, and syncs. Without a shared
+   filesystem each block also travels over the build's group to every other node's writer.
 5. **Publish.** The writer records the arrays' block hashes (their SHA-256 is the hash of the
    header's and the blocks' hashes: FORMAT.md, "Divided blends"), renames the file into
    ``packs/`` and writes the pack index last. Until then nothing refers to the file, so an
