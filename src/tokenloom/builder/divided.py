@@ -311,47 +311,55 @@ def _read_block(fd: int, slots, first: int, stop: int, buffers) -> tuple[np.ndar
     return out[0], out[1]
 
 
-def _write_range(path: str, slots, first: int, arrays) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        _write_block(fd, slots, first, arrays)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, buffers) -> None:
     """Without a shared filesystem: every rank's range to the writers of the other nodes, a block
-    at a time (each rank reads its blocks back from its node's file)."""
+    at a time (each rank reads its blocks back from its node's file). The ranks agree after each
+    source's range: a rank that fails still takes part in every broadcast (a source that cannot
+    read sends zeros), so the agreement carries its failure to every rank."""
     group, rank = ctx.group, ctx.group.rank
-    for source in range(group.world_size):
-        for w0 in range(bounds[source], bounds[source + 1], ctx.block):
-            w1 = min(w0 + ctx.block, bounds[source + 1])
-            nbytes = [(w1 - w0) * slot.dtype.itemsize for slot in slots]
-            blob = None
-            if rank == source:
-                fd = os.open(path, os.O_RDONLY)
+    receiving = rank == ctx.writer_of[rank]
+    fd, failure = None, None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+    try:
+        for source in range(group.world_size):
+            for w0 in range(bounds[source], bounds[source + 1], ctx.block):
+                w1 = min(w0 + ctx.block, bounds[source + 1])
+                nbytes = [(w1 - w0) * slot.dtype.itemsize for slot in slots]
+                blob = None
+                if rank == source:
+                    blob = bytes(sum(nbytes))
+                    if failure is None:
+                        try:
+                            blob = b"".join(memoryview(a).cast("B").tobytes()
+                                            for a in _read_block(fd, slots, w0, w1, buffers))
+                        except Exception as exc:
+                            failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
                 try:
-                    blob = b"".join(memoryview(a).cast("B").tobytes() for a in _read_block(fd, slots, w0, w1, buffers))
-                finally:
-                    os.close(fd)
-            try:
-                data = group.broadcast_bytes(blob, source, sum(nbytes))
-            except Exception as exc:
-                raise BuildError(
-                    f"rank {rank}: the process group failed while receiving positions {w0}..{w1} of {item.label} "
-                    f"from rank {source} ({type(exc).__name__}: {exc}); a rank was killed or hung. Rerun the "
-                    "build: finished items are reused") from exc
-            failure = None
-            if rank == ctx.writer_of[rank] and ctx.writer_of[source] != rank:
-                try:
-                    split = nbytes[0]
-                    received = (np.frombuffer(data[:split], dtype=slots[0].dtype),
-                                np.frombuffer(data[split:], dtype=slots[1].dtype))
-                    _write_range(path, slots, w0, received)
+                    data = group.broadcast_bytes(blob, source, sum(nbytes))
                 except Exception as exc:
+                    raise BuildError(
+                        f"rank {rank}: the process group failed while receiving positions {w0}..{w1} of "
+                        f"{item.label} from rank {source} ({type(exc).__name__}: {exc}); a rank was killed or "
+                        "hung. Rerun the build: finished items are reused") from exc
+                if receiving and ctx.writer_of[source] != rank and failure is None:
+                    try:
+                        split = nbytes[0]
+                        _write_block(fd, slots, w0, (np.frombuffer(data[:split], dtype=slots[0].dtype),
+                                                     np.frombuffer(data[split:], dtype=slots[1].dtype)))
+                    except Exception as exc:
+                        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+            if source == group.world_size - 1 and receiving and failure is None:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
                     failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
             agree(group, failure, phase="transfer")
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _publish(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, gathered, rounds: int,
