@@ -285,15 +285,23 @@ class Cache:
                     self._parse_pack(name)
                 self._seen_packs.add(name)
 
-    def _parse_pack(self, name: str) -> None:
-        """Read the records of pack index ``name`` (the caller holds the index lock)."""
+    def _read_pack_index(self, name: str) -> dict[str, dict]:
+        """The records of pack index ``name``, read from disk (FormatError if unreadable)."""
         path = os.path.join(self.root, PACKS_DIR, name)
         try:
             with open(path, encoding="utf-8") as f:
-                index = json.load(f)
-        except (OSError, ValueError) as exc:
+                return json.load(f).get("items", {})
+        except (OSError, ValueError, AttributeError) as exc:
             raise FormatError(f"{path}: unreadable pack index: {exc}") from None
-        self._add_records(name, index.get("items", {}))
+
+    def _not_indexed(self, name: str, key: str) -> FormatError:
+        return FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the pack's key list "
+                           f"({name[: -len('.json')]}{KEYS_SUFFIX}) but not in its index; the pack index is "
+                           "damaged (tokenloom cache verify)")
+
+    def _parse_pack(self, name: str) -> None:
+        """Read the records of pack index ``name`` (the caller holds the index lock)."""
+        self._add_records(name, self._read_pack_index(name))
 
     def _add_records(self, name: str, records: Mapping[str, dict]) -> None:
         """Index the records of pack index ``name``. Of several copies of an item (two jobs built
@@ -317,9 +325,7 @@ class Cache:
             for name in names:
                 bin_path = os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")
                 if bin_path not in self._copies.get(key, {}):
-                    raise FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the "
-                                      f"pack's key list ({name[: -len('.json')]}{KEYS_SUFFIX}) but not in its "
-                                      "index; the pack index is damaged (tokenloom cache verify)")
+                    raise self._not_indexed(name, key)
 
     def has(self, key: str, *, refresh: bool = True) -> bool:
         """Whether item ``key`` is in a published pack."""
@@ -359,20 +365,10 @@ class Cache:
             parsed = {name: {k: self._copies[k][os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")]
                              for k in wanted} for name, wanted in chosen.items() if name in self._parsed}
         for name, wanted in sorted(chosen.items()):
-            if name in parsed:
-                records = parsed[name]
-            else:
-                path = os.path.join(self.root, PACKS_DIR, name)
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        records = json.load(f).get("items", {})
-                except (OSError, ValueError) as exc:
-                    raise FormatError(f"{path}: unreadable pack index: {exc}") from None
+            records = parsed[name] if name in parsed else self._read_pack_index(name)
             for key in wanted:
                 if key not in records:
-                    raise FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the pack's "
-                                      f"key list but not in its index; the pack index is damaged "
-                                      "(tokenloom cache verify)")
+                    raise self._not_indexed(name, key)
                 yield key, records[key]
 
     def copies(self, key: str) -> dict[str, dict[str, Any]]:

@@ -478,7 +478,7 @@ class _Build:
                         raise BuildError(f"{manifest_path}: the build's manifest vanished while the build "
                                          "started from its warm-start record; run the build again")
                     self._write_manifest(plan, infos, built, build_key, array_config)
-                if infos is not None and self.start_key is not None and self._memo is not None and not self.dry_run:
+                if infos is not None and self.start_key is not None and self._memo is not None:
                     write_start(self.cache.root, self.start_key, build_key=build_key, prefixes=self.config.prefixes,
                                 infos=infos, memo=self._memo, items=plan.items, splits=plan.splits)
             if self.config.megatron_cache_dir is not None:
