@@ -37,14 +37,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tokenloom.errors import BuildError, FormatError
-from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_atomic
+from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_arrays_atomic, write_json_atomic
 
 #: Version of the cache layout and key material; bump it when either changes.
 CACHE_FORMAT_VERSION = 1
@@ -526,10 +526,12 @@ class Cache:
     def manifest_path(self, build_key: str) -> str:
         return os.path.join(self.root, BUILDS_DIR, f"{build_key}.json")
 
-    def write_manifest(self, build_key: str, manifest: Mapping[str, Any]) -> str:
+    def write_manifest(self, build_key: str, manifest: Mapping[str, Any], items: Iterable[str] = ()) -> str:
+        """Write ``builds/<build_key>.json``: ``manifest``'s fields and ``items``, the entries as
+        compact JSON texts, streamed (atomic: the old file or the whole new one)."""
         self.ensure()
         path = self.manifest_path(build_key)
-        write_json_atomic(path, dict(manifest), compact=True)
+        write_json_arrays_atomic(path, manifest, {"items": items})
         return path
 
     def manifests(self) -> list[str]:

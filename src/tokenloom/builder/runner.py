@@ -62,6 +62,7 @@ from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stat
 from tokenloom.builder.stores import FingerprintMemo, StoreInfo, fingerprint_store
 from tokenloom.builder.transfer import pack_item, unpack_item
 from tokenloom.errors import BuildError
+from tokenloom.io.writer import compact_json
 from tokenloom.source.keys import build_key as make_build_key
 from tokenloom.source.keys import canonical_json
 
@@ -494,18 +495,18 @@ class _Build:
         return build_key, failure
 
     def _write_manifest(self, plan, infos, built, build_key, array_config) -> str:
-        # this node's copy of each record (its own pack offsets), one pack index at a time: the
-        # manifest keeps a few fields of each, not thousands of whole records
-        held = {key: (record["pack"], record["files"], record["built_by"]["rank"], record["seconds"],
-                      record.get("megatron_md5"))
-                for key, record in self.cache.stream_records([item.key for item in plan.items])}
-        entries = []
-        for item in plan.items:
-            pack, files, rank, seconds, md5 = held[item.key]
-            entries.append({
-                "key": item.key, "kind": item.kind, "split": item.split, "label": item.label,
-                "pack": pack, "files": files, "built_this_run": item.key in built,
-                "built_by_rank": rank, "seconds": seconds, "megatron_md5": md5,
+        # this node's copy of each record (its own pack offsets), one pack index at a time, each
+        # entry kept as its compact JSON text and the file written as it goes: the writer holds
+        # about the manifest's bytes once, not thousands of records, their dicts and the text
+        items = {item.key: item for item in plan.items}
+        held = {}
+        for key, record in self.cache.stream_records(list(items)):
+            item = items[key]
+            held[key] = compact_json({
+                "key": key, "kind": item.kind, "split": item.split, "label": item.label,
+                "pack": record["pack"], "files": record["files"], "built_this_run": key in built,
+                "built_by_rank": record["built_by"]["rank"], "seconds": record["seconds"],
+                "megatron_md5": record.get("megatron_md5"),
             })
         manifest = {
             "format": "tokenloom-build-manifest", "version": CACHE_FORMAT_VERSION,
@@ -517,9 +518,10 @@ class _Build:
                            "num_tokens": i.num_tokens} for p, i in infos.items()},
             "splits": [{"name": s.name, "prefixes": list(s.prefixes), "dataset_keys": list(s.dataset_keys),
                         "blend_key": s.blend_key, "num_samples": s.num_samples} for s in plan.splits],
-            "items": entries, "timings_rank0": dict(self.timings), "ranks": list(self.rank_seconds),
+            "timings_rank0": dict(self.timings), "ranks": list(self.rank_seconds),
         }
-        return self.cache.write_manifest(build_key, manifest)
+        # in the plan's order, each entry dropped once written
+        return self.cache.write_manifest(build_key, manifest, items=(held.pop(item.key) for item in plan.items))
 
     def _budgets(self) -> dict[str, dict[str, int]] | None:
         """The train split's token budgets by store, where the config gave budgets."""
