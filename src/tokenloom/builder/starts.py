@@ -47,6 +47,7 @@ import numpy as np
 from tokenloom._version import __version__
 from tokenloom.builder import stores as _stores
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION
+from tokenloom.builder.collective import collector_paused
 from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.items import SplitPlan, WorkItem
 from tokenloom.builder.stores import FingerprintMemo, StoreInfo
@@ -182,7 +183,8 @@ def read_start(cache_root: str, key: str) -> StartRecord | None:
         log.warning("%s: unreadable warm-start record (%s); planning again", path, exc)
         return None
     try:
-        payload = _PlanUnpickler(io.BytesIO(data)).load()
+        with collector_paused():  # thousands of items: no full collections while they are made
+            payload = _PlanUnpickler(io.BytesIO(data)).load()
         if not isinstance(payload, dict) or payload.get("format") != START_FORMAT \
                 or payload.get("version") != START_VERSION or payload.get("key") != key:
             raise ValueError("not a version-1 warm-start record of this config")

@@ -1,0 +1,107 @@
+"""The build group's gather (real gloo ranks) and the collector pause around its unpickling."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from build_fixtures import free_port
+from tokenloom.builder.collective import collector_paused
+
+RANK_SCRIPT = r"""
+import gc, hashlib, json, pickle, sys
+from datetime import timedelta
+import torch.distributed as dist
+from tokenloom.builder.collective import TorchGroup
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=60))
+try:
+    group = TorchGroup(timeout_s=60)
+    # payloads of very different sizes per rank, one rank's far larger than the rest
+    payloads = [None, rank, "x" * (rank * 70_001), {"r": rank, "items": list(range(rank * 5000))},
+                b"\x00" * (100_000 if rank == 1 else 1)]
+    got = [group.all_gather_object(p) for p in payloads]
+    gc.disable()  # a caller that turned the collector off keeps it off
+    group.all_gather_object(rank)
+    still_off = not gc.isenabled()
+    gc.enable()
+    out = {"got": [[hashlib.sha256(pickle.dumps(x)).hexdigest() for x in g] for g in got], "still_off": still_off,
+           "enabled_after": gc.isenabled(), "calls": group.traffic.calls}
+    print(json.dumps(out), flush=True)
+    group.close()
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_the_gather_returns_every_ranks_object_whatever_their_sizes():
+    pytest.importorskip("torch.distributed")
+    world, port = 3, free_port()
+    env = dict(os.environ)
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    expected = [[None, r, "x" * (r * 70_001), {"r": r, "items": list(range(r * 5000))},
+                 b"\x00" * (100_000 if r == 1 else 1)] for r in range(world)]
+    want = [[hashlib.sha256(pickle.dumps(expected[r][i])).hexdigest() for r in range(world)] for i in range(5)]
+    for out in outs:
+        assert out["got"] == want
+        assert out["still_off"] and out["enabled_after"]
+        assert out["calls"] == 6
+
+
+def test_the_collector_comes_back_only_when_the_last_thread_leaves():
+    assert gc.isenabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with collector_paused():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with collector_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen["after_first_left"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"after_first_left": False}
+    assert gc.isenabled()
+
+
+def test_a_collector_that_was_off_stays_off():
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
