@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tokenloom.builder as tb
@@ -225,6 +225,89 @@ def test_two_concurrent_builders_share_one_cache_correctly(stores, tmp_path):
             shared_once = True
             break
     assert shared_once, "in three runs the two jobs never shared an item: the item locks do not work"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq_length=st.integers(1, 700), train=st.integers(1, 40_000), valid=st.integers(0, 3000),
+       keep_partial=st.booleans(), extra=st.booleans())
+def test_the_plan_made_from_token_counts_is_the_one_the_store_gives(stores, tmp_path, seq_length, train, valid,
+                                                                      keep_partial, extra):
+    # the build draws and walks from each item's plan, made from the stores' token counts when
+    # planning; it must be the plan megatron-core's arithmetic gives over the store's lengths
+    from tokenloom.builder.exact import plan_gpt
+    from tokenloom.io import IndexedDataset
+
+    config = blend_config(stores, tmp_path / "cache", seq_length=seq_length, train_samples=train,
+                          valid_samples=valid, add_extra_token=extra,
+                          drop_last_partial_validation_sequence=not keep_partial)
+    try:
+        plan = tb.build(config, dry_run=True)
+    except ConfigError:
+        return  # more samples than a split can give: refused when planning
+    for item in plan.items:
+        if item.kind == "gpt":
+            assert item.epoch_plan == plan_gpt(IndexedDataset(item.prefix), item.params), item.label
+
+
+_HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {src!r})
+from tokenloom.builder.cache import Cache
+cache = Cache({root!r})
+cache.acquire({key!r})
+print("held", flush=True)
+sys.stdin.readline()  # until the test has published the item
+"""
+
+
+def _publish(root, key):
+    """Publish item ``key`` into the cache at ``root`` as another job would (its own Cache)."""
+    from tokenloom.builder.cache import PackWriter
+
+    writer = PackWriter(Cache(str(root)))
+    writer.add(key, {"a": np.arange(4, dtype=np.int64)}, {"kind": "test"})
+    writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_built_elsewhere_lists_again_after_a_contended_lock_or_when_the_listing_is_old(tmp_path, monkeypatch):
+    import tokenloom.builder.cache as cache_module
+
+    root = tmp_path / "cache"
+    cache = Cache(str(root))
+    cache.refresh()  # a fresh listing: nothing published
+    first, second = "a" * 40, "b" * 40
+
+    # uncontended and listed just now: answered from the packs already known, no listing
+    _publish(root, first)
+    monkeypatch.setattr(cache_module, "RELIST_S", 3600.0)
+    token = cache.acquire(first)
+    assert not cache.built_elsewhere(first, token)
+    cache.release(token)
+    # the same question once the listing is older than RELIST_S: listed again, found
+    monkeypatch.setattr(cache_module, "RELIST_S", 0.0)
+    token = cache.acquire(first)
+    assert cache.built_elsewhere(first, token)
+    cache.release(token)
+
+    # another job holds the lock while it builds and publishes: after the wait, always listed
+    monkeypatch.setattr(cache_module, "RELIST_S", 3600.0)
+    cache.refresh()
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    other = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK.format(src=src, root=str(root), key=second)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        _publish(root, second)
+        other.stdin.write("done\n")
+        other.stdin.flush()  # the other job exits, which releases its lock
+        token = cache.acquire(second)  # waits for it
+        assert cache.built_elsewhere(second, token)
+        cache.release(token)
+    finally:
+        other.kill()
+        other.wait()
+    cache.close_locks()
 
 
 def test_import_does_not_import_torch():

@@ -44,14 +44,18 @@ def plan_gpt(store: IndexedDataset, params: Mapping[str, Any]) -> EpochPlan:
                        drop_last_partial=params["drop_last_partial"])
 
 
-def draw_shuffles(prefix: str, params: Mapping[str, Any]) -> tuple[EpochPlan, np.ndarray, np.ndarray]:
-    """The item's RandomState work: ``(plan, document_index, shuffle_index)``.
+def draw_shuffles(prefix: str, params: Mapping[str, Any], store: IndexedDataset | None = None,
+                  plan: EpochPlan | None = None) -> tuple[EpochPlan, np.ndarray, np.ndarray]:
+    """The item's RandomState work: ``(plan, document_index, shuffle_index)``. ``store``: the
+    store at ``prefix`` if the caller has it open; ``plan``: the item's epoch plan if the caller
+    made it (the build plans every item from its store's token counts; planning again here sums
+    the lengths of every document of the split).
 
     The shuffle index is drawn after the document index from the same RandomState, exactly as
     megatron-core does; its length is known from the plan before any walk.
     """
-    store = IndexedDataset(prefix)
-    plan = plan_gpt(store, params)
+    if plan is None:
+        plan = plan_gpt(IndexedDataset(prefix) if store is None else store, params)
     random_state = np.random.RandomState(params["seed"])
     ids = document_ids(DocumentRange(params["begin"], params["end"]))
     document_index = build_document_index(ids, plan, random_state)  # (epochs * docs,) int32
@@ -61,14 +65,18 @@ def draw_shuffles(prefix: str, params: Mapping[str, Any]) -> tuple[EpochPlan, np
 
 def build_gpt_arrays(prefix: str, params: Mapping[str, Any],
                      draws: tuple[EpochPlan, np.ndarray, np.ndarray] | None = None, *,
+                     plan: EpochPlan | None = None,
                      compiled: bool | None = None) -> tuple[dict[str, np.ndarray], EpochPlan]:
-    """The three arrays of a ``gpt`` item (drawing the shuffles here if ``draws`` is None).
+    """The three arrays of a ``gpt`` item (drawing the shuffles here if ``draws`` is None, from
+    ``plan`` if given: see :func:`draw_shuffles`).
 
     ``compiled`` picks the numba sample walk (True) or the numpy one (False; identical arrays);
     None decides by the item's size. A rank with much work compiles once and gains on every item.
     """
-    plan, document_index, shuffle_index = draws if draws is not None else draw_shuffles(prefix, params)
     store = IndexedDataset(prefix)
+    if draws is None:
+        draws = draw_shuffles(prefix, params, store, plan)
+    plan, document_index, shuffle_index = draws
     lengths = store.sequence_lengths
     if document_index.shape[0] * 2 > lengths.shape[0]:
         lengths = np.array(lengths)  # dense access: read the lengths once instead of paging
@@ -121,14 +129,15 @@ def plan_from_dict(data: Mapping[str, Any]) -> EpochPlan:
 class ShuffleDrawer:
     """Draws the shuffles of a sequence of ``gpt`` items ahead of time in background processes.
 
-    ``get(i)`` returns the draws of item ``i`` of the list given at construction (in order).
-    With ``workers=0`` everything runs inline on demand. The workers are plain subprocesses
-    (``python -c``) fed pickled jobs over a pipe, so the caller's ``__main__`` is never
-    re-imported (as multiprocessing's spawn would) and no threads are forked.
+    ``jobs`` are ``(prefix, params)`` or ``(prefix, params, epoch plan)``. ``get(i)`` returns the
+    draws of job ``i`` (in order). With ``workers=0`` it returns None: the walk draws them itself,
+    with the store it opens. The workers are plain subprocesses (``python -c``) fed pickled jobs
+    over a pipe, so the caller's ``__main__`` is never re-imported (as multiprocessing's spawn
+    would) and no threads are forked.
     """
 
-    def __init__(self, jobs: list[tuple[str, Mapping[str, Any]]], workers: int) -> None:
-        self._jobs = jobs
+    def __init__(self, jobs: list[tuple], workers: int) -> None:
+        self._jobs = [(job[0], job[1], job[2] if len(job) > 2 else None) for job in jobs]
         self._next = 0  # next job to send
         self._procs: list[subprocess.Popen] = []
         self._sent: collections.deque[int] = collections.deque()  # worker of each job in flight
@@ -152,8 +161,7 @@ class ShuffleDrawer:
 
     def get(self, index: int):
         if not self._procs:
-            prefix, params = self._jobs[index]
-            return draw_shuffles(prefix, params)
+            return None
         worker = self._sent.popleft()
         status, value = _receive(self._procs[worker].stdout)
         self._fill()
@@ -192,15 +200,15 @@ def _receive(stream):
 
 
 def drawer_main() -> None:
-    """The background worker: read ``(prefix, params)`` jobs from stdin, write draws to stdout."""
+    """The background worker: read ``(prefix, params, plan)`` jobs from stdin, write draws to stdout."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = stdin.read(8)
         if len(head) < 8:
             return
-        prefix, params = pickle.loads(stdin.read(int.from_bytes(head, "little")))
+        prefix, params, plan = pickle.loads(stdin.read(int.from_bytes(head, "little")))
         try:
-            result = ("ok", draw_shuffles(prefix, params))
+            result = ("ok", draw_shuffles(prefix, params, plan=plan))
         except Exception as exc:  # reported to the parent, which fails the item
             result = ("error", f"{type(exc).__name__}: {exc}")
         _send(stdout, result)

@@ -290,7 +290,8 @@ class _Build:
         nodes, writers = self._nodes()
         if plan is not None and self.rank in writers:
             try:
-                mine = {item.key for item in plan.items if self.cache.has(item.key)}
+                self.cache.refresh()  # one listing of the packs, not one per item
+                mine = {item.key for item in plan.items if self.cache.has(item.key, refresh=False)}
             except Exception as exc:  # pragma: no cover - a broken filesystem
                 failure = failure_from(exc, rank=self.rank, phase="plan", item="cache lookup")
         gathered = agree(self.group, failure, phase="plan", payload=mine)
@@ -309,7 +310,7 @@ class _Build:
         started, cpu = time.perf_counter(), _cpu_seconds()
         mine = plan.items_of_rank(self.rank)
         exact = self.config.mode == "exact"
-        gpt_jobs = [(item.prefix, item.params) for item in mine if item.kind == "gpt" and exact]
+        gpt_jobs = [(item.prefix, item.params, item.epoch_plan) for item in mine if item.kind == "gpt" and exact]
         records: dict[str, dict] = {}
         failure = None
         poller = _ProgressPoller(self.cache, [*plan.assignment, *plan.divided], self.on_progress,
@@ -370,7 +371,7 @@ class _Build:
         token = self.cache.acquire(item.key)
         try:
             draws = get_draws()
-            if self.cache.has(item.key):
+            if self.cache.built_elsewhere(item.key, token):
                 self.cache.release(token)  # another job built it while we waited
                 return False
             arrays, record = self._build_one(item, draws)
@@ -403,7 +404,8 @@ class _Build:
         started = time.perf_counter()
         extra: dict[str, Any] = {}
         if (self.config.mode, item.kind) == ("exact", "gpt"):
-            arrays, epoch_plan = build_gpt_arrays(item.prefix, item.params, draws, compiled=self._compiled_walk)
+            arrays, epoch_plan = build_gpt_arrays(item.prefix, item.params, draws, plan=item.epoch_plan,
+                                                  compiled=self._compiled_walk)
             extra["plan"] = plan_to_dict(epoch_plan)
         elif (self.config.mode, item.kind) == ("exact", "blend"):
             extra["threads"] = self._blend_threads()
