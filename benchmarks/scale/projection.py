@@ -9,7 +9,10 @@ where ``a`` is the work every rank repeats whatever N is (fingerprinting the sto
 their dataset items divide; gathering those, planning the blends, opening the result, the
 collectives and loading the compiled kernels do not) and ``b`` the work that divides (dataset
 indices, the blends, writing and hashing the arrays). ``a`` and ``b`` come from a least-squares fit
-of (1) to the measured points.
+of (1) to the measured points, with ``a`` held at least at what the largest run shows beyond an
+even share of the one-rank work, ``cpu_largest(N_max) - cpu(1) / N_max`` (then ``b`` is fitted
+again with that ``a``). A one-rank run that costs more than two ranks together (the stateless
+build can) would otherwise give a negative ``a``.
 
 At a target scale of ``tokens`` tokens over ``datasets`` datasets, every divisible part of the
 exact build grows with the tokens (document positions, blend samples, array bytes) at a fixed
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``(a, b)`` of ``y = a + b / n`` through ``(n, y)`` points."""
+    """Least-squares ``(a, b)`` of ``y = a + b / n`` through ``(n, y)`` points, ``a`` at least
+    ``y(n_max) - y(1) / n_max`` (and at least 0) where the points include ``n = 1``."""
     xs = [1.0 / n for n, _ in points]
     ys = [y for _, y in points]
     k = len(points)
@@ -40,7 +44,14 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     if sxx == 0:
         return ys[0], 0.0
     b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
-    return mean_y - b * mean_x, b
+    a = mean_y - b * mean_x
+    by_ranks = dict(points)
+    n_max = max(by_ranks)
+    floor = max(0.0, by_ranks[n_max] - by_ranks[1] / n_max) if 1 in by_ranks else 0.0
+    if a < floor:  # b again, by least squares with a held at the floor
+        a = floor
+        b = sum(x * (y - a) for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, b
 
 
 def project(rows: list[dict], *, mode: str, corpus_tokens: float, corpus_datasets: int, tokens: float,

@@ -191,6 +191,15 @@ def summarize(outs: list[dict], one_rank_cpu: float, costs: dict) -> dict:
     }
 
 
+def array_digests(manifest_path: str) -> dict[str, dict]:
+    """Item key -> each array's digest (SHA-256, or the block digests of a divided blend), from a
+    build's manifest: two builds with equal digests wrote the same bytes."""
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    return {item["key"]: {name: meta.get("sha256", meta.get("blocks")) for name, meta in item["files"].items()}
+            for item in manifest["items"]}
+
+
 def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact", "stateless"),
                 seq_length: int = 2048, epochs: float = 1.5, split: str = "969,30,1") -> dict:
     """Every (mode, ranks) build from an empty cache; returns the summaries and raw rank rows."""
@@ -204,15 +213,19 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
     costs = {n: collective_costs(n) for n in ranks}
     out["collective_costs"] = costs
     for mode in modes:
-        one_rank_cpu = None
+        one_rank_cpu = one_rank_arrays = None
         for n in ranks:
             cache = os.path.join(work, f"{mode}-{n}")
             subprocess.run(["rm", "-rf", cache], check=True)
             outs = launch(n, config, cache, mode)
+            arrays = array_digests(outs[0]["manifest"])
             if one_rank_cpu is None:
                 one_rank_cpu = outs[0]["cpu_s"] if n == 1 else float("nan")
+                one_rank_arrays = arrays if n == 1 else None
             row = summarize(outs, one_rank_cpu, costs[n])
             row["mode"] = mode
+            # every rank count must write the one-rank build's bytes (None: no one-rank build ran)
+            row["same_arrays_as_one_rank"] = None if one_rank_arrays is None else arrays == one_rank_arrays
             out["rows"].append(row)
             out["raw"].append(outs)
             print(f"{mode:9} {n:>3} ranks: largest rank {row['largest_cpu_s']:.2f} CPU-s (rank {row['largest_rank']}), "
@@ -225,13 +238,15 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
 def format_table(result: dict) -> str:
     lines = ["| mode | ranks | largest rank CPU s | mean CPU s | total CPU s | total / 1 rank | largest / 1-rank total "
              "| predicted largest s | collectives: calls, MiB sent | est. wall on free cores s | peak RSS GiB "
-             "| MiB written (largest rank) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| MiB written (largest rank) | arrays = 1 rank's |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
+        same = {True: "yes", False: "**no**", None: "-"}[r.get("same_arrays_as_one_rank")]
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['largest_cpu_s']:.2f} | {r['mean_cpu_s']:.2f} | "
                      f"{r['total_cpu_s']:.2f} | {r['total_vs_one']:.2f}x | {r['largest_vs_one']:.3f} | "
                      f"{r['predicted_largest_s']:.2f} | {r['calls']}, {r['bytes_sent'] / 2**20:.1f} | "
-                     f"{r['estimated_wall_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | {r['wchar'] / 2**20:,.0f} |")
+                     f"{r['estimated_wall_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | {r['wchar'] / 2**20:,.0f} | "
+                     f"{same} |")
     return "\n".join(lines)
 
 
