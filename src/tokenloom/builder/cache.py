@@ -21,8 +21,9 @@ never sees a half-written array. Items cost no file each (a pack of thousands of
 and one memory map serves all its arrays when opened).
 
 Two builders of one item (two jobs sharing a cache) lock it first, so one builds while the other
-waits and then finds it in the first one's pack; where locks do not work (some network
-filesystems) both build and both packs hold identical arrays, and readers take either.
+waits and then finds it in the first one's pack (:meth:`Cache.built_elsewhere`). Where locks do
+not work (some network filesystems), or where one job trails the other by less than ``RELIST_S``,
+both may build it: both packs hold identical arrays, and readers take either.
 """
 
 from __future__ import annotations

@@ -153,7 +153,8 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
         slots, total = pack_layout(size, greedy.dataset_id_dtype)
         if rank == writer:
             token = ctx.cache.acquire(item.key)
-            if ctx.cache.built_elsewhere(item.key, token):
+            # always listed again (one item, the largest): not built twice for want of a listing
+            if ctx.cache.has(item.key):
                 skip = True  # another job published it while we waited for the lock
             else:
                 ctx.cache.ensure()
