@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -298,12 +299,17 @@ def test_built_elsewhere_lists_again_after_a_contended_lock_or_when_the_listing_
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "held"
+        tokens = []
+        waiter = threading.Thread(target=lambda: tokens.append(cache.acquire(second)))
+        waiter.start()  # finds the lock held (the other job holds it until told), so it waits
+        waiter.join(0.5)
+        assert waiter.is_alive(), "took a lock another process holds"
         _publish(root, second)
         other.stdin.write("done\n")
         other.stdin.flush()  # the other job exits, which releases its lock
-        token = cache.acquire(second)  # waits for it
-        assert cache.built_elsewhere(second, token)
-        cache.release(token)
+        waiter.join(30)
+        assert cache.built_elsewhere(second, tokens[0])
+        cache.release(tokens[0])
     finally:
         other.kill()
         other.wait()
