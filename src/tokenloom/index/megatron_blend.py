@@ -20,10 +20,13 @@ dataset ``d`` has the error ``fl(fl(w_d * x_i) - c_d)`` with ``x_i = double(max(
 ``theta`` adapts every 1024 steps to sit just below the best errors lately seen (they crowd
 around 0.5, ever tighter as datasets grow: within +-0.04 at 1000 datasets, +-0.01 at 10000),
 so the pool holds a few dozen groups and is rarely empty; any value gives the same arrays,
-only speed depends on it. A step costs O(pool) instead of O(datasets).
+only speed depends on it. A step costs O(pool) instead of O(datasets). The pool's best is found
+in two passes, a maximum kept in four independent lanes and then the first member at that
+maximum with the lowest id: no branch on the data, which a single pass with the tie rule takes
+(its mispredictions cost more than the arithmetic).
 
-Up to 160 datasets a compiled copy of megatron's own loop is faster than the pool and is used
-instead (the tests route every case through both).
+Up to 100 datasets a compiled copy of megatron's own loop (the same two passes) is faster than
+the pool and is used instead (the tests route every case through both).
 
 **Threads.** The greedy is sequential, but its state after ``s`` steps is nearly a closed form:
 every error ``s * w_d - c_d`` stays within about +-1/2, so the largest-remainder counts of
@@ -72,8 +75,9 @@ MEGATRON_MAX_DATASETS = 32766
 
 _RING = 1 << 12  # calendar buckets (L1-sized); join times further ahead are parked
 _ADAPT_EVERY = 1024  # steps between adjustments of theta
-_SCAN_DATASETS = 160  # this many datasets or fewer: megatron's plain loop is faster than a pool
+_SCAN_DATASETS = 100  # this many datasets or fewer: megatron's plain loop is faster than a pool
 _SCAN_ALL = 16  # this many groups or fewer: every group stays in the pool
+_WIDE_GROUPS = 4096  # more groups than this: theta sits further below the best errors
 
 
 def megatron_dataset_id_dtype(num_datasets: int) -> np.dtype:
@@ -150,6 +154,45 @@ def _link(g, t, head, nxt, prv, event):
     head[b] = g
 
 
+@jit(inline="always", cache=True)
+def _max_error(w, c, x, n):
+    """``max(w[k] * x - c[k] for k < n)``, ``n >= 1``: four independent running maxima, so
+    the comparisons need not wait on each other and no branch depends on the data."""
+    m0 = w[0] * x - c[0]
+    m1 = m0
+    m2 = m0
+    m3 = m0
+    k = 1
+    while k + 4 <= n:
+        e0 = w[k] * x - c[k]
+        e1 = w[k + 1] * x - c[k + 1]
+        e2 = w[k + 2] * x - c[k + 2]
+        e3 = w[k + 3] * x - c[k + 3]
+        m0 = e0 if e0 > m0 else m0
+        m1 = e1 if e1 > m1 else m1
+        m2 = e2 if e2 > m2 else m2
+        m3 = e3 if e3 > m3 else m3
+        k += 4
+    while k < n:
+        e0 = w[k] * x - c[k]
+        m0 = e0 if e0 > m0 else m0
+        k += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    return m2 if m2 > m0 else m0
+
+
+@jit(inline="always", cache=True)
+def _first_best(w, c, rep, x, n, best_error):
+    """The ``k < n`` whose error equals ``best_error`` (the maximum) with the lowest
+    ``rep[k]``: megatron's tie rule. The test is almost always false, a branch the CPU predicts."""
+    k_best = -1
+    for k in range(n):
+        if w[k] * x - c[k] == best_error and (k_best < 0 or rep[k] < rep[k_best]):
+            k_best = k
+    return k_best
+
+
 @jit(nogil=True, cache=True)
 def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop, theta0, counts,
                    out_dataset, out_sample):
@@ -196,6 +239,14 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
     nxt = np.full(num_groups, -1, np.int64)
     prv = np.full(num_groups, -1, np.int64)
     theta = theta0
+    # theta's place below the lowest best error of the last window, in the window's spread of
+    # best errors: a pool a quarter-spread deep holds about half the groups a whole-spread one
+    # does, at the price of an occasional empty pool (a scan of every group) and a new theta
+    # (a rebuild, O(groups)); beyond _WIDE_GROUPS those O(groups) costs outweigh the shorter pool
+    if num_groups <= _WIDE_GROUPS:
+        margin, slack, scans_allowed = 0.25, 1.0, 2
+    else:
+        margin, slack, scans_allowed = 1.0, 3.0, 0
     steps_in_window = 0
     scans = 0
     best_low = np.inf
@@ -237,23 +288,12 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
         # the best group: largest error, ties to the lowest dataset id (megatron's order)
         x = float(i) if i > 1 else 1.0
         if pool_size > 0:
-            k_best = 0
-            best_error = pool_w[0] * x - pool_c[0]
-            for k in range(1, pool_size):
-                e = pool_w[k] * x - pool_c[k]
-                if e > best_error or (e == best_error and pool_rep[k] < pool_rep[k_best]):
-                    best_error = e
-                    k_best = k
-            best = pool_g[k_best]
+            best_error = _max_error(pool_w, pool_c, x, pool_size)
+            best = pool_g[_first_best(pool_w, pool_c, pool_rep, x, pool_size, best_error)]
         else:
             scans += 1
-            best = 0
-            best_error = group_weight[0] * x - count_f[0]
-            for h in range(1, num_groups):
-                e = group_weight[h] * x - count_f[h]
-                if e > best_error or (e == best_error and rep[h] < rep[best]):
-                    best_error = e
-                    best = h
+            best_error = _max_error(group_weight, count_f, x, num_groups)
+            best = _first_best(group_weight, count_f, rep, x, num_groups, best_error)
         g = best
         out_dataset[i - start] = rep[g]
         out_sample[i - start] = count_min[g]
@@ -307,8 +347,8 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
         if steps_in_window == _ADAPT_EVERY and i + 1 < size and num_groups > _SCAN_ALL:
             spread = best_high - best_low
             new_theta = theta
-            if scans > 0 or theta < best_low - 3.0 * spread - 1e-3:
-                new_theta = best_low - spread
+            if scans > scans_allowed or theta < best_low - slack * spread - 1e-3:
+                new_theta = best_low - margin * spread
             steps_in_window = 0
             scans = 0
             best_low = np.inf
@@ -349,14 +389,11 @@ def _greedy_kernel(group_weight, group_limit, member_start, members, start, stop
 def _scan_best(weight, counts_f, i):
     """megatron's pick at step ``i``: the largest error, ties to the lowest id (every dataset)."""
     x = float(i) if i > 1 else 1.0
-    best = 0
-    best_error = weight[0] * x - counts_f[0]
-    for d in range(1, weight.shape[0]):
-        e = weight[d] * x - counts_f[d]
-        if e > best_error:
-            best_error = e
-            best = d
-    return best
+    best_error = _max_error(weight, counts_f, x, weight.shape[0])
+    d = 0
+    while weight[d] * x - counts_f[d] != best_error:
+        d += 1
+    return d
 
 
 @jit(nogil=True, cache=True)
