@@ -42,6 +42,21 @@ def test_fast_shuffle_is_randomstate_shuffle(seed, sizes, dtype, block, warmup):
     assert theirs.randint(0, 2**63) == ours.randint(0, 2**63)
 
 
+@pytest.mark.parametrize("size,block", [(65_536, 1 << 16), (65_537, 1 << 16), (100_003, 999), (1 << 18, 1 << 16)])
+def test_fast_shuffle_is_randomstate_shuffle_across_blocks_and_masks(size, block):
+    """Many 624-word regenerations, draw blocks and halvings of the mask in one shuffle (sizes
+    at and just past a power of two, blocks that end mid-word-block), then a second shuffle that
+    continues the stream."""
+    theirs, ours = np.random.RandomState(size), np.random.RandomState(size)
+    for n in (size, 5_000):
+        expected = np.arange(n, dtype=np.int32)
+        got = expected.copy()
+        theirs.shuffle(expected)
+        fast_shuffle(ours, got, block=block)
+        np.testing.assert_array_equal(got, expected)
+        assert _same_state(theirs, ours)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=seeds, largest=st.one_of(st.integers(0, 2**32 - 1), st.integers(2**32, 2**64 - 2),
                                      st.sampled_from([0, 1, 2**32 - 1, 2**32, 2**63])))
@@ -86,7 +101,7 @@ def test_other_bit_generators_and_dtypes_use_randomstate_itself():
 
 
 def test_small_arrays_keep_randomstates_own_shuffle_by_default(monkeypatch):
-    """Below SMALL_SHUFFLE elements the default takes RandomState's shuffle (as fast there, and no
+    """Below SMALL_SHUFFLE elements the default takes RandomState's shuffle (faster there, and no
     numba start-up); from it on, the kernel; the arrays are the same either way."""
     calls = []
 
