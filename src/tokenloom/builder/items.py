@@ -150,10 +150,11 @@ COST_PER_STATELESS_DOCUMENT_S = 4e-9
 COST_PER_STATELESS_ITEM_S = 0.25e-3
 """Fixed cost of a stateless ``gpt`` item (its record and two small arrays; 1.54 CPU-s for 3000
 items of 1e8 documents on one rank, of which 0.8 s the per-document sums)."""
-COST_PER_MANIFEST_ITEM_S = 15e-6
+COST_PER_MANIFEST_ITEM_S = 35e-6
 """A writer rank's manifest and warm-start record, per item of the build: reading the item's
-record, writing its entry, pickling the plan (10-13 us per item on one rank; like every cost here
-it grows about 5x on a rank of 16 sharing 2 cores, so the ratios hold)."""
+record, writing its entry, pickling the plan (the finalize of a one-rank exact build of 3003 items
+took 0.10 CPU-s, 33 us an item; 0.14 on rank 0 of 16 sharing 2 cores, where every cost here grows
+a little)."""
 
 
 def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
@@ -470,7 +471,13 @@ def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[
     """The plan with ``todo`` spread over the ranks: single-rank items by longest processing time
     first, then every exact blend cut into ranges that even out the ranks' loads. The ``writers``
     (rank 0, or each node's first rank without a shared filesystem) start with the manifest they
-    write when anything is built."""
+    write when anything is built.
+
+    The cuts fall on whole blocks, so two ranks' shares of a blend may differ by a block (2**20
+    positions by default: about 0.1 s, as much as twenty dataset items). So the single items are
+    then assigned again, starting from each rank's manifest and blend ranges: a rank with an extra
+    block takes fewer items. Of the two plans, the one whose slowest rank is estimated faster
+    stands (the first on a tie)."""
     fixed = [0.0] * world_size
     if todo:
         for rank in writers:
@@ -483,8 +490,14 @@ def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[
         loads[rank] += by_key[key].cost_s
     divided = divide_blends([item for item in todo if is_divided(config, item)], loads,
                             config.blend_block_samples)
-    return BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size, assignment=assignment,
+    plan = BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size, assignment=assignment,
                      divided=divided, fixed_s=tuple(fixed))
+    if not divided or not single:
+        return plan
+    blend_loads = BuildPlan(items=tuple(items), splits=tuple(splits), world_size=world_size, assignment={},
+                            divided=divided, fixed_s=tuple(fixed)).seconds_per_rank()
+    again = dataclasses.replace(plan, assignment=assign_lpt(single, world_size, blend_loads))
+    return again if max(again.seconds_per_rank()) < max(plan.seconds_per_rank()) else plan
 
 
 def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
