@@ -369,7 +369,7 @@ def test_blend_blocks_are_evened_out_by_the_items(costs, world, blend_samples, b
     blend = WorkItem(kind="blend", key="blend", split="train", label="blend", params={}, num_samples=blend_samples,
                      output_bytes=10 * blend_samples, cost_s=2e-3 + COST_PER_BLEND_SAMPLE_S * blend_samples)
     config = SimpleNamespace(mode="exact", blend_block_samples=block)
-    plan = assign_work(config, items + [blend], [], world, items + [blend])
+    plan = assign_work(config, [*items, blend], [], world, [*items, blend])
     loads = plan.seconds_per_rank()
     assert sorted(plan.assignment) == sorted(item.key for item in items)
     bounds = plan.divided["blend"]
@@ -380,11 +380,11 @@ def test_blend_blocks_are_evened_out_by_the_items(costs, world, blend_samples, b
     first_loads = list(fixed)
     for item in items:
         first_loads[first[item.key]] += item.cost_s
-    first_plan = BuildPlan(items=tuple(items + [blend]), splits=(), world_size=world, assignment=first,
+    first_plan = BuildPlan(items=tuple([*items, blend]), splits=(), world_size=world, assignment=first,
                            divided=divide_blends([blend], first_loads, block), fixed_s=tuple(fixed))
     assert max(loads) <= max(first_plan.seconds_per_rank()) + 1e-12
     if plan.assignment != first:  # the second assignment: LPT from the blend shares (Graham's bound)
-        blend_loads = BuildPlan(items=tuple(items + [blend]), splits=(), world_size=world, assignment={},
+        blend_loads = BuildPlan(items=tuple([*items, blend]), splits=(), world_size=world, assignment={},
                                 divided=plan.divided, fixed_s=tuple(fixed)).seconds_per_rank()
         assert max(loads) <= max(max(blend_loads), sum(loads) / world + max(costs)) + 1e-9
 
@@ -403,8 +403,8 @@ def test_blend_blocks_do_not_leave_ranks_a_block_apart():
     size = 71_000_000
     blend = WorkItem(kind="blend", key="blend", split="train", label="blend", params={}, num_samples=size,
                      output_bytes=10 * size, cost_s=2e-3 + COST_PER_BLEND_SAMPLE_S * size)
-    plan = assign_work(SimpleNamespace(mode="exact", blend_block_samples=1 << 20), items + [blend], [], 16,
-                       items + [blend])
+    plan = assign_work(SimpleNamespace(mode="exact", blend_block_samples=1 << 20), [*items, blend], [], 16,
+                       [*items, blend])
     loads = plan.seconds_per_rank()
     assert max(loads) - min(loads) < 0.01
 

@@ -150,11 +150,11 @@ COST_PER_STATELESS_DOCUMENT_S = 4e-9
 COST_PER_STATELESS_ITEM_S = 0.25e-3
 """Fixed cost of a stateless ``gpt`` item (its record and two small arrays; 1.54 CPU-s for 3000
 items of 1e8 documents on one rank, of which 0.8 s the per-document sums)."""
-COST_PER_MANIFEST_ITEM_S = 35e-6
+COST_PER_MANIFEST_ITEM_S = 50e-6
 """A writer rank's manifest and warm-start record, per item of the build: reading the item's
-record, writing its entry, pickling the plan (the finalize of a one-rank exact build of 3003 items
-took 0.10 CPU-s, 33 us an item; 0.14 on rank 0 of 16 sharing 2 cores, where every cost here grows
-a little)."""
+record from the pack indexes, writing its entry, pickling the plan. The finalize of an exact build
+of 3003 items took 0.10 CPU-s on one rank (33 us an item) and 0.14-0.21 on rank 0 of 16 sharing 2
+cores (47-70 us), where it grows more than the items do; 50 us sits between the two."""
 
 
 def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
