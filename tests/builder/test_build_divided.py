@@ -39,6 +39,9 @@ def _configs(root, prefixes, many):
         # ranks with nothing to do: blocks larger than the valid and test blends (and than the
         # train blend's share of most ranks)
         "big-blocks": blend_config(prefixes, root / "shared", blend_block_samples=1024, seed=4),
+        # a train blend worth more than any imbalance of the dataset items and the writer's manifest,
+        # so every rank count really cuts it (the small blends above may go whole to one rank)
+        "long": blend_config(prefixes, root / "shared", train_samples=60_000, blend_block_samples=256, seed=5),
     }
 
 
@@ -127,6 +130,9 @@ def test_the_blends_are_megatron_cores(run):
         assert len(bounds) == world + 1 and bounds[0] == 0 and bounds[-1] == size
         divided += sum(1 for r in range(world) if bounds[r + 1] > bounds[r]) > 1
     assert divided > 0 if world > 1 else divided == 0  # some blends really were cut between ranks
+    long_key = max(blends, key=lambda key: cache.read_record(key)["params"]["size"] or 0)  # "long"'s train
+    long_bounds = cache.read_record(long_key)["built_by"]["bounds"]
+    assert sum(1 for r in range(world) if long_bounds[r + 1] > long_bounds[r]) == world  # every rank a range
 
 
 @pytest.mark.timeout(600)
