@@ -409,6 +409,17 @@ def test_blend_blocks_do_not_leave_ranks_a_block_apart():
     assert max(loads) - min(loads) < 0.01
 
 
+def test_shuffle_workers_only_where_a_core_is_spare():
+    from tokenloom.builder.runner import MIN_BACKGROUND_WORK_S, shuffle_workers
+
+    much = MIN_BACKGROUND_WORK_S * 4
+    assert shuffle_workers(1, much, cores_per_rank=2) == 1  # one rank on 2 cores: a worker
+    assert shuffle_workers(3, much, cores_per_rank=16) == 3
+    assert shuffle_workers(1, much, cores_per_rank=1) == 0  # every core runs a rank: inline
+    assert shuffle_workers(1, MIN_BACKGROUND_WORK_S / 2, cores_per_rank=8) == 0  # too little to repay it
+    assert shuffle_workers(0, much, cores_per_rank=8) == 0
+
+
 def test_world_size_is_checked(stores, tmp_path):
     config = tb.BuildConfig(**blend_config(stores, tmp_path))
     with pytest.raises(ConfigError, match="world_size"):

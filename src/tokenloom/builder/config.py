@@ -90,7 +90,9 @@ class BuildConfig:
     longest rank's build time (``plan_build`` estimates it)."""
 
     rng_workers: int = 1
-    """Background processes that draw the RandomState shuffles ahead of the sample walks (exact)."""
+    """Background processes that draw the RandomState shuffles ahead of the sample walks (exact),
+    started only where the rank has a core to spare (its share of the host's cores is 2 or more)
+    and enough dataset items to repay a process; otherwise the rank draws inline."""
 
     blend_threads: int = 0
     """Threads of each exact blend (megatron's greedy in chunks, identical arrays); 0: this rank's

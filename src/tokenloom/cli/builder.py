@@ -32,7 +32,8 @@ def add_build_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="seconds a rank waits for the others before the build fails (default 1800)")
     p.add_argument("--rng-workers", type=int, metavar="N",
-                   help="background processes drawing shuffles ahead (exact mode, default 1)")
+                   help="background processes drawing shuffles ahead (exact mode, default 1; only where "
+                        "a rank has a core to spare)")
     p.add_argument("--blend-threads", type=int, metavar="N",
                    help="threads of each exact blend (default 0: this rank's share of the host's cores)")
     p.add_argument("--verify-stores", choices=("stat", "hash"),
