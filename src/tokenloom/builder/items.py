@@ -150,11 +150,13 @@ COST_PER_STATELESS_DOCUMENT_S = 4e-9
 COST_PER_STATELESS_ITEM_S = 0.25e-3
 """Fixed cost of a stateless ``gpt`` item (its record and two small arrays; 1.54 CPU-s for 3000
 items of 1e8 documents on one rank, of which 0.8 s the per-document sums)."""
-COST_PER_MANIFEST_ITEM_S = 50e-6
+COST_PER_MANIFEST_ITEM_S = 80e-6
 """A writer rank's manifest and warm-start record, per item of the build: reading the item's
 record from the pack indexes, writing its entry, pickling the plan. The finalize of an exact build
 of 3003 items took 0.10 CPU-s on one rank (33 us an item) and 0.14-0.21 on rank 0 of 16 sharing 2
-cores (47-70 us), where it grows more than the items do; 50 us sits between the two."""
+cores (47-70 us). In this model's units, which run about 1.4x the measured CPU (26.4 s predicted for
+a one-rank build of 18.3-20.1 CPU-s), that is 46-98 us; at 50 us rank 0 was still the largest rank
+of 16 in every run, at 80 us it was not (BENCHMARKS.md, cluster scale)."""
 
 
 def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
