@@ -326,7 +326,7 @@ class _Build:
         failure = None
         poller = _ProgressPoller(self.cache, [*plan.assignment, *plan.divided], self.on_progress,
                                  poll=self.config.shared_fs and self.world > 1)
-        # background draws pay off once the work outweighs starting a process (about a second)
+        # background draws: only with enough work and a spare core (shuffle_workers)
         draw_cost = sum(item.cost_s for item in mine if item.kind == "gpt")
         workers = shuffle_workers(self.config.rng_workers, draw_cost, self._cores_per_rank())
         drawer = ShuffleDrawer(gpt_jobs, workers) if gpt_jobs else None
