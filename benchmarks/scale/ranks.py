@@ -20,8 +20,10 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,10 +41,11 @@ def _io() -> dict[str, int]:
     return out
 
 
-def _cpu() -> float:
+def _cpu_split() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process and its reaped children."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + children.ru_utime, own.ru_stime + children.ru_stime
 
 
 def _peak_rss() -> int:
@@ -81,19 +84,27 @@ def child(args) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS to the current RSS: the peak below is the build call's
     rss_before = _peak_rss()
-    io0, cpu0, wall0 = _io(), _cpu(), time.perf_counter()
+    io0, split0, wall0 = _io(), _cpu_split(), time.perf_counter()
+    # cProfile of the build call, to see where a rank's fixed work goes: TOKENLOOM_PROFILE_RANK0
+    # profiles rank 0, TOKENLOOM_PROFILE every rank (to the path plus ".<rank>")
     profile = os.environ.get("TOKENLOOM_PROFILE_RANK0") if args.rank == 0 else None
-    if profile:  # cProfile of rank 0's build call, to see where a rank's fixed work goes
+    if os.environ.get("TOKENLOOM_PROFILE"):
+        profile = f"{os.environ['TOKENLOOM_PROFILE']}.{args.rank}"
+    if profile:
         import cProfile
 
-        profiler = cProfile.Profile(time.process_time)  # CPU, not wall: ranks share the cores
+        # the main thread's CPU: not wall (ranks share the cores), not the process's (the blend
+        # thread's CPU would land on whatever frame the main thread is in)
+        profiler = cProfile.Profile(time.thread_time)
         result = profiler.runcall(tokenloom.build, config)
         profiler.dump_stats(profile)
     else:
         result = tokenloom.build(config)
-    wall, cpu, io1 = time.perf_counter() - wall0, _cpu() - cpu0, _io()
+    wall, split1, io1 = time.perf_counter() - wall0, _cpu_split(), _io()
+    user, kernel = split1[0] - split0[0], split1[1] - split0[1]
     traffic = result.traffic
-    out = {"rank": args.rank, "world": args.world, "mode": args.mode, "wall_s": wall, "cpu_s": cpu,
+    out = {"rank": args.rank, "world": args.world, "mode": args.mode, "wall_s": wall, "cpu_s": user + kernel,
+           "user_s": user, "sys_s": kernel,
            "peak_rss": _peak_rss(), "rss_before": rss_before,
            "rchar": io1["rchar"] - io0["rchar"], "wchar": io1["wchar"] - io0["wchar"],
            "read_bytes": io1["read_bytes"] - io0["read_bytes"], "write_bytes": io1["write_bytes"] - io0["write_bytes"],
@@ -169,7 +180,10 @@ dist.destroy_process_group()
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
-def summarize(outs: list[dict], one_rank_cpu: float, costs: dict) -> dict:
+def summarize(outs: list[dict], one_rank_cpu: float, costs: dict, inline_cpu: float | None = None) -> dict:
+    """One row of the table: the ranks' CPU seconds, against ``one_rank_cpu`` (the one-rank build
+    as it runs by default) and ``inline_cpu`` (exact mode: the one-rank build with its shuffle
+    draws inline, the smaller denominator; see :func:`ranks_table`)."""
     cpus = [o["cpu_s"] for o in outs]
     largest = max(range(len(outs)), key=lambda r: cpus[r])
     calls = max(o["calls"] for o in outs)
@@ -180,6 +194,8 @@ def summarize(outs: list[dict], one_rank_cpu: float, costs: dict) -> dict:
         "mean_cpu_s": sum(cpus) / len(cpus), "total_cpu_s": sum(cpus),
         "total_vs_one": sum(cpus) / one_rank_cpu if one_rank_cpu else float("nan"),
         "largest_vs_one": cpus[largest] / one_rank_cpu if one_rank_cpu else float("nan"),
+        "largest_vs_inline": cpus[largest] / inline_cpu if inline_cpu else None,
+        "largest_sys_s": outs[largest]["sys_s"], "mean_sys_s": sum(o["sys_s"] for o in outs) / len(outs),
         "predicted_largest_s": max(o["predicted_s"] for o in outs),
         "oversubscribed_wall_s": max(o["wall_s"] for o in outs),
         "peak_rss": max(o["peak_rss"] for o in outs),
@@ -202,7 +218,12 @@ def array_digests(manifest_path: str) -> dict[str, dict]:
 
 def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact", "stateless"),
                 seq_length: int = 2048, epochs: float = 1.5, split: str = "969,30,1") -> dict:
-    """Every (mode, ranks) build from an empty cache; returns the summaries and raw rank rows."""
+    """Every (mode, ranks) build from an empty cache; returns the summaries and raw rank rows.
+
+    Exact mode also builds one rank with its shuffle draws inline (``rng_workers=0``; mode
+    ``exact-inline`` in the rows). By default one rank with two cores draws in a background
+    process, whose start, numba import and pipe copies add 2-3.5 CPU-s to the one-rank total; the
+    division is also given against the inline build's total, the smaller one (``largest_vs_inline``)."""
     from bench_build import bench_config
 
     config = bench_config(corpus, seq_length, epochs, split)
@@ -213,40 +234,97 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
     costs = {n: collective_costs(n) for n in ranks}
     out["collective_costs"] = costs
     for mode in modes:
-        one_rank_cpu = one_rank_arrays = None
-        for n in ranks:
-            cache = os.path.join(work, f"{mode}-{n}")
+        one_rank_cpu = one_rank_arrays = inline_cpu = None
+        runs = [(mode, n, config) for n in ranks]
+        if mode == "exact" and 1 in ranks:
+            runs.insert(ranks.index(1) + 1, ("exact-inline", 1, {**config, "rng_workers": 0}))
+        for label, n, run_config in runs:
+            cache = os.path.join(work, f"{label}-{n}")
             subprocess.run(["rm", "-rf", cache], check=True)
-            outs = launch(n, config, cache, mode)
+            outs = launch(n, run_config, cache, mode)
             arrays = array_digests(outs[0]["manifest"])
             if one_rank_cpu is None:
                 one_rank_cpu = outs[0]["cpu_s"] if n == 1 else float("nan")
                 one_rank_arrays = arrays if n == 1 else None
-            row = summarize(outs, one_rank_cpu, costs[n])
-            row["mode"] = mode
+            if label == "exact-inline":
+                inline_cpu = outs[0]["cpu_s"]
+            row = summarize(outs, one_rank_cpu, costs[n], inline_cpu)
+            row["mode"] = label
             # every rank count must write the one-rank build's bytes (None: no one-rank build ran)
             row["same_arrays_as_one_rank"] = None if one_rank_arrays is None else arrays == one_rank_arrays
             out["rows"].append(row)
             out["raw"].append(outs)
-            print(f"{mode:9} {n:>3} ranks: largest rank {row['largest_cpu_s']:.2f} CPU-s (rank {row['largest_rank']}), "
+            print(f"{label:12} {n:>3} ranks: largest rank {row['largest_cpu_s']:.2f} CPU-s "
+                  f"(rank {row['largest_rank']}), "
                   f"mean {row['mean_cpu_s']:.2f}, total {row['total_cpu_s']:.2f} "
-                  f"({row['total_vs_one']:.2f}x one rank), peak RSS {row['peak_rss'] / 2**30:.2f} GiB",
-                  file=sys.stderr, flush=True)
+                  f"({row['total_vs_one']:.2f}x one rank), of it system {row['mean_sys_s']:.2f} a rank, "
+                  f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    widest = [outs for outs in out["raw"] if outs[0]["mode"] == "exact" and len(outs) == max(ranks) > 1]
+    if widest:  # the same bytes written with one process resident and with as many as the ranks
+        outs = widest[0]
+        out["page_cache"] = page_cache_probe(sum(o["wchar"] for o in outs), len(outs),
+                                             int(statistics.mean(o["rss_before"] for o in outs)))
+        probe = out["page_cache"]
+        print(f"page cache: writing {probe['bytes'] / 2**30:.2f} GiB cost {probe['one_sys_s']:.2f} system CPU-s "
+              f"from 1 process and {probe['many_sys_s']:.2f} from {probe['processes']} holding "
+              f"{probe['hold_bytes'] / 2**30:.2f} GiB each", file=sys.stderr, flush=True)
+    return out
+
+
+PROBE_CHILD = r'''
+import os, resource, sys
+path, nbytes, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ballast = bytearray(hold)
+ballast[::4096] = b"x" * len(range(0, hold, 4096))  # resident, as a rank's interpreter and imports are
+chunk = os.urandom(1 << 20)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+with open(path, "wb") as f:
+    for start in range(0, nbytes, len(chunk)):
+        f.write(chunk[:min(len(chunk), nbytes - start)])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_stime - before)
+'''
+
+
+def page_cache_probe(nbytes: int, processes: int, hold_bytes: int) -> dict:
+    """System CPU seconds to write ``nbytes`` into the page cache, without tokenloom: from one
+    process holding ``hold_bytes`` resident, then from ``processes`` processes holding as much
+    each and writing a share each (the build's ranks hold their interpreter, torch and numba,
+    0.3-0.4 GiB, before they write). On this 2-core VM the kernel's cost per byte written
+    depends on how much memory the resident processes hold, which the per-rank CPU of a
+    16-rank build includes and a build on 16 machines' worth of memory would not."""
+    out = {"bytes": nbytes, "processes": processes, "hold_bytes": hold_bytes}
+    with tempfile.TemporaryDirectory(prefix="tl-probe-") as tmp:
+        for key, count in (("one_sys_s", 1), ("many_sys_s", processes)):
+            share = nbytes // count
+            procs = [subprocess.Popen([sys.executable, "-c", PROBE_CHILD, os.path.join(tmp, f"{key}-{k}"), str(share),
+                                       str(hold_bytes)], stdout=subprocess.PIPE) for k in range(count)]
+            out[key] = sum(float(p.communicate()[0].decode().split()[-1]) for p in procs)
+            for name in os.listdir(tmp):
+                os.remove(os.path.join(tmp, name))
     return out
 
 
 def format_table(result: dict) -> str:
-    lines = ["| mode | ranks | largest rank CPU s | mean CPU s | total CPU s | total / 1 rank | largest / 1-rank total "
-             "| predicted largest s | collectives: calls, MiB sent | est. wall on free cores s | peak RSS GiB "
-             "| MiB written (largest rank) | arrays = 1 rank's |",
+    lines = ["| mode | ranks | largest rank CPU s (of it system) | mean CPU s | total CPU s | total / 1 rank "
+             "| largest / 1-rank total (draws inline) | predicted largest s | collectives: calls, MiB sent "
+             "| est. wall on free cores s | peak RSS GiB | MiB written (largest rank) | arrays = 1 rank's |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         same = {True: "yes", False: "**no**", None: "-"}[r.get("same_arrays_as_one_rank")]
-        lines.append(f"| {r['mode']} | {r['ranks']} | {r['largest_cpu_s']:.2f} | {r['mean_cpu_s']:.2f} | "
-                     f"{r['total_cpu_s']:.2f} | {r['total_vs_one']:.2f}x | {r['largest_vs_one']:.3f} | "
+        inline = f" ({r['largest_vs_inline']:.3f})" if r.get("largest_vs_inline") else ""
+        lines.append(f"| {r['mode']} | {r['ranks']} | {r['largest_cpu_s']:.2f} ({r['largest_sys_s']:.2f}) | "
+                     f"{r['mean_cpu_s']:.2f} | {r['total_cpu_s']:.2f} | {r['total_vs_one']:.2f}x | "
+                     f"{r['largest_vs_one']:.3f}{inline} | "
                      f"{r['predicted_largest_s']:.2f} | {r['calls']}, {r['bytes_sent'] / 2**20:.1f} | "
                      f"{r['estimated_wall_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | {r['wchar'] / 2**20:,.0f} | "
                      f"{same} |")
+    probe = result.get("page_cache")
+    if probe:
+        lines.append(f"\nPage cache, without tokenloom: writing the {probe['bytes'] / 2**30:.2f} GiB the "
+                     f"{probe['processes']} ranks wrote cost {probe['one_sys_s']:.2f} system CPU-s from one process "
+                     "and "
+                     f"{probe['many_sys_s']:.2f} from {probe['processes']} processes holding "
+                     f"{probe['hold_bytes'] / 2**30:.2f} GiB each (what a rank held before its build call).")
     return "\n".join(lines)
 
 

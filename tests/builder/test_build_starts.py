@@ -37,7 +37,7 @@ class _Planning:
     def __init__(self, monkeypatch) -> None:
         self.fingerprinted: list[str] = []
         self.plans = 0
-        real_fingerprint, real_plan = runner_module.fingerprint_store, runner_module.plan_build
+        real_fingerprint, real_plan = runner_module.fingerprint_store, runner_module.resolve_items
 
         def fingerprint(prefix, *args, **kwargs):
             self.fingerprinted.append(prefix)
@@ -48,7 +48,7 @@ class _Planning:
             return real_plan(*args, **kwargs)
 
         monkeypatch.setattr(runner_module, "fingerprint_store", fingerprint)
-        monkeypatch.setattr(runner_module, "plan_build", plan)
+        monkeypatch.setattr(runner_module, "resolve_items", plan)
 
 
 def _served(result) -> dict[str, np.ndarray]:

@@ -55,7 +55,14 @@ from tokenloom.builder.exact import (
     build_gpt_arrays,
     plan_to_dict,
 )
-from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, dataset_items, plan_build, ranges_for
+from tokenloom.builder.items import (
+    BuildPlan,
+    WorkItem,
+    assign_work,
+    dataset_items,
+    ranges_for,
+    resolve_items,
+)
 from tokenloom.builder.megatron_export import export_megatron_item
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.starts import StartRecord, read_start, start_key, stores_unchanged, write_start
@@ -292,24 +299,23 @@ class _Build:
 
     def _plan(self):
         failure = None
-        plan = None
+        items = splits = None
         mine: set[str] | None = None
-        try:
-            plan = plan_build(self.config, self.infos, self.world, made=self._made)
+        try:  # every item; which rank builds what waits for what the caches hold
+            items, splits = resolve_items(self.config, self.infos, self._made)
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
         nodes, writers = self._nodes()
-        if plan is not None and self.rank in writers:
+        if items is not None and self.rank in writers:
             try:
                 self.cache.refresh()  # one listing of the packs, not one per item
-                mine = {item.key for item in plan.items if self.cache.has(item.key, refresh=False)}
+                mine = {item.key for item in items if self.cache.has(item.key, refresh=False)}
             except Exception as exc:  # pragma: no cover - a broken filesystem
                 failure = failure_from(exc, rank=self.rank, phase="plan", item="cache lookup")
         gathered = agree(self.group, failure, phase="plan", payload=mine)
         present = {writer: gathered[writer] for writer in writers}
-        everywhere_missing = [item for item in plan.items
-                              if not any(item.key in keys for keys in present.values())]
-        plan = assign_work(self.config, plan.items, plan.splits, self.world, everywhere_missing,
+        everywhere_missing = [item for item in items if not any(item.key in keys for keys in present.values())]
+        plan = assign_work(self.config, items, splits, self.world, everywhere_missing,
                            writers=tuple(sorted(writers)))
         self.writer_of = nodes
         return plan, nodes, present
