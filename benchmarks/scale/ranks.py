@@ -222,8 +222,9 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
 
     Exact mode also builds one rank with its shuffle draws inline (``rng_workers=0``; mode
     ``exact-inline`` in the rows). By default one rank with two cores draws in a background
-    process, whose start, numba import and pipe copies add 2-3.5 CPU-s to the one-rank total; the
-    division is also given against the inline build's total, the smaller one (``largest_vs_inline``)."""
+    process, whose start, numba import and pipe copies cost CPU the inline build does not spend
+    (0.6-7.8 CPU-s more in four of five paired runs on the benchmark box); the division is also given
+    against the inline build's total (``largest_vs_inline``)."""
     from bench_build import bench_config
 
     config = bench_config(corpus, seq_length, epochs, split)
@@ -321,9 +322,8 @@ def format_table(result: dict) -> str:
     probe = result.get("page_cache")
     if probe:
         lines.append(f"\nPage cache, without tokenloom: writing the {probe['bytes'] / 2**30:.2f} GiB the "
-                     f"{probe['processes']} ranks wrote cost {probe['one_sys_s']:.2f} system CPU-s from one process "
-                     "and "
-                     f"{probe['many_sys_s']:.2f} from {probe['processes']} processes holding "
+                     f"{probe['processes']} ranks wrote cost {probe['one_sys_s']:.2f} system CPU-s from one "
+                     f"process and {probe['many_sys_s']:.2f} from {probe['processes']} processes holding "
                      f"{probe['hold_bytes'] / 2**30:.2f} GiB each (what a rank held before its build call).")
     return "\n".join(lines)
 
