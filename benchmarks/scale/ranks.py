@@ -144,31 +144,42 @@ def launch(world: int, config: dict, cache: str, mode: str) -> list[dict]:
 
 
 def collective_costs(world: int) -> dict:
-    """Latency of a small all-gather and bandwidth of a 64 MiB broadcast over gloo on 127.0.0.1
-    with ``world`` idle ranks (the cost of the build's collectives, apart from waiting)."""
+    """Latency of a small gather (the build's own: gather on rank 0 and a binomial broadcast; and
+    torch's ``all_gather_object``, gloo's ring, for comparison) and bandwidth of a 64 MiB
+    broadcast over gloo on 127.0.0.1 with ``world`` idle ranks (the cost of the build's
+    collectives, apart from waiting)."""
     if world == 1:
-        return {"gather_s": 0.0, "broadcast_bytes_per_s": float("inf")}
+        return {"gather_s": 0.0, "ring_gather_s": 0.0, "broadcast_bytes_per_s": float("inf")}
     code = r'''
 import sys, time, json
 from datetime import timedelta
 import torch, torch.distributed as dist
+from tokenloom.builder.collective import TorchGroup
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=600))
+group = TorchGroup(timeout_s=600)
 out = [None] * world
-for _ in range(5):
-    dist.all_gather_object(out, {"counts": list(range(1000))})
-best = float("inf")
-for _ in range(5):
-    t = time.perf_counter()
-    for _ in range(20):
-        dist.all_gather_object(out, {"counts": list(range(1000))})
-    best = min(best, (time.perf_counter() - t) / 20)
+payload = {"counts": list(range(1000))}  # about what a divided blend's ranks agree on
+ways = {"gather_s": lambda: group.all_gather_object(payload),
+        "ring_gather_s": lambda: dist.all_gather_object(out, payload)}
+result = {}
+for name, gather in ways.items():
+    for _ in range(5):
+        gather()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(20):
+            gather()
+        best = min(best, (time.perf_counter() - t) / 20)
+    result[name] = best
 data = torch.zeros(64 << 20, dtype=torch.uint8)
 dist.broadcast(data, src=0)
 t = time.perf_counter(); dist.broadcast(data, src=0); seconds = time.perf_counter() - t
 if rank == 0:
-    print(json.dumps({"gather_s": best, "broadcast_bytes_per_s": (64 << 20) / seconds}))
+    print(json.dumps({**result, "broadcast_bytes_per_s": (64 << 20) / seconds}))
+group.close()
 dist.destroy_process_group()
 '''
     from bench_build import _free_port

@@ -26,9 +26,11 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
                         timeout=timedelta(seconds=60))
 try:
     group = TorchGroup(timeout_s=60)
-    # payloads of very different sizes per rank, one rank's far larger than the rest
+    # payloads of very different sizes per rank, one rank's far larger than the rest; the first
+    # round carries SLOT_BYTES of each, longer ones go whole by gather and broadcast up to
+    # TREE_WIDTH_BYTES and by the ring beyond it (the last: 2.2 MB times ceil(log2(3)) > 4 MiB)
     payloads = [None, rank, "x" * (rank * 70_001), {"r": rank, "items": list(range(rank * 5000))},
-                b"\x00" * (100_000 if rank == 1 else 1)]
+                b"\x00" * (100_000 if rank == 1 else 1), b"\x01" * (2_200_001 if rank == 2 else 1017)]
     got = [group.all_gather_object(p) for p in payloads]
     gc.disable()  # a caller that turned the collector off keeps it off
     group.all_gather_object(rank)
@@ -62,12 +64,13 @@ def test_the_gather_returns_every_ranks_object_whatever_their_sizes():
             if proc.poll() is None:
                 proc.kill()
     expected = [[None, r, "x" * (r * 70_001), {"r": r, "items": list(range(r * 5000))},
-                 b"\x00" * (100_000 if r == 1 else 1)] for r in range(world)]
-    want = [[hashlib.sha256(pickle.dumps(expected[r][i])).hexdigest() for r in range(world)] for i in range(5)]
+                 b"\x00" * (100_000 if r == 1 else 1), b"\x01" * (2_200_001 if r == 2 else 1017)]
+                for r in range(world)]
+    want = [[hashlib.sha256(pickle.dumps(expected[r][i])).hexdigest() for r in range(world)] for i in range(6)]
     for out in outs:
         assert out["got"] == want
         assert out["still_off"] and out["enabled_after"]
-        assert out["calls"] == 6
+        assert out["calls"] == 7
 
 
 def test_the_collector_comes_back_only_when_the_last_thread_leaves():

@@ -127,6 +127,22 @@ def collector_paused():
                 gc.enable()
 
 
+SLOT_BYTES = 1024
+"""Bytes each rank sends in the first round of a gather: its pickle's length and first bytes."""
+TREE_WIDTH_BYTES = 1 << 22
+"""The second round goes by gather and broadcast while ``width * ceil(log2(N))`` is at most this
+(``width``: the longest pickle, to which every rank pads), else by gloo's ring all-gather. Of the
+``N * width`` bytes of the round, the binomial broadcast sends all ``ceil(log2(N))`` times in turn
+where the ring sends them once, but the ring waits for ``2 (N - 1)`` dependent steps. With ``L``
+seconds a step and ``B`` bytes a second the tree is faster while ``width * log2(N) < 2 L B``. A
+step is slow when the ranks do not arrive together, as in a build: inside a 16-rank build on this
+benchmark's 2 cores, one ring all-gather of about 160 kB a rank cost each rank 0.09 CPU-s and 0.7 s,
+eight gathers and broadcasts of up to as much 0.01 CPU-s and 0.15 s. At ``L`` = 200 us and 10 GB/s
+the bound is 4 MB: a width of 1 MB at 16 ranks, 400 kB at 1024, far above the build's payloads
+(the largest, the gathered dataset items, is about 1.5 kB per store: 15 kB a rank for 10,000
+stores on 1024 ranks)."""
+
+
 class TorchGroup:
     """A gloo group of torch.distributed over the ranks of ``group`` (default: all ranks)."""
 
@@ -158,32 +174,70 @@ class TorchGroup:
         return TorchGroup(self._parent, timeout_s=self.timeout_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank: pickled once, sizes then bytes gathered into one tensor
-        each, unpickled with the garbage collector paused.
+        """Every rank's ``obj``, by rank: pickled once, gathered on group rank 0 and broadcast from
+        it down a binomial tree, unpickled with the garbage collector paused.
 
-        torch's ``all_gather_object`` cost a rank of 16 (oversubscribed) 0.27 CPU-s to gather
-        117 kB per rank of dataset items; this costs 0.06. Most of the difference is the
-        collector: unpickling thousands of items triggers collections that each walk everything
-        the rank holds (the plan, its store readers), a cost that grows with the heap, not the
-        payload. Tensors gathered into one buffer, rather than a list of them, take the rest."""
-        import torch
+        The first round carries each rank's length and the first ``SLOT_BYTES - 8`` bytes of its
+        pickle, which is all of it for most calls (an agreement with no failure and a small
+        payload). When a pickle is longer, a second round carries every pickle whole, padded to
+        the longest: gathered and broadcast again while that is cheaper
+        (:data:`TREE_WIDTH_BYTES`), else by gloo's ring all-gather, which moves large payloads
+        with no rank sending more than its share.
+
+        gloo's all-gather is a ring of ``2 (N - 1)`` dependent steps, so its latency grows with
+        the ranks: at 16 ranks sharing 2 cores one all-gather of 8 bytes cost each rank 4.3 CPU-ms,
+        a gather and a broadcast 0.36 (BENCHMARKS.md, cluster scale); a gather is one step and the
+        broadcast ``log2 N``. Unpickling with the collector paused matters as much for large
+        payloads: thousands of unpickled items trigger collections that each walk everything the
+        rank holds, a cost that grows with the heap, not the payload."""
+        import numpy as np
 
         started = time.perf_counter()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        gather_into = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        sizes = torch.empty(self.world_size, dtype=torch.int64)
-        gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-        lengths = sizes.tolist()
+        head = SLOT_BYTES - 8
+        slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
+        slot[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+        first = min(len(data), head)
+        slot[8:8 + first] = np.frombuffer(data, dtype=np.uint8, count=first)
+        table = self._gather_to_all(slot).reshape(self.world_size, SLOT_BYTES)
+        lengths = table[:, :8].copy().view("<i8").ravel().tolist()
         width = max(lengths)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        everything = torch.empty(width * self.world_size, dtype=torch.uint8)
-        gather_into(everything, mine, group=self.group)
-        view = everything.numpy()
+        if width > head:  # a second round: every pickle whole, padded to the longest
+            mine = np.zeros(width, dtype=np.uint8)
+            mine[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+            if width * (self.world_size - 1).bit_length() <= TREE_WIDTH_BYTES:
+                table = self._gather_to_all(mine)
+            else:
+                table = self._ring_gather(mine)
+            table, offset = table.reshape(self.world_size, width), 0
+        else:
+            offset = 8
         with collector_paused():
-            out = [pickle.loads(view[r * width: r * width + n]) for r, n in enumerate(lengths)]
+            out = [pickle.loads(table[r, offset:offset + n]) for r, n in enumerate(lengths)]
         self._count(len(data), started)
         return out
+
+    def _gather_to_all(self, mine):
+        """Every rank's equal-sized uint8 array ``mine``, concatenated by rank, on every rank: one
+        gloo gather on group rank 0, then one broadcast from it."""
+        import torch
+
+        size = mine.size
+        everything = torch.empty(size * self.world_size, dtype=torch.uint8)
+        root = self.ranks[0]
+        parts = list(everything.view(self.world_size, size)) if self.rank == 0 else None
+        self._dist.gather(torch.from_numpy(mine), gather_list=parts, dst=root, group=self.group)
+        self._dist.broadcast(everything, src=root, group=self.group)
+        return everything.numpy()
+
+    def _ring_gather(self, mine):
+        """Every rank's equal-sized uint8 array ``mine``, concatenated by rank: gloo's ring."""
+        import torch
+
+        gather_into = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        everything = torch.empty(mine.size * self.world_size, dtype=torch.uint8)
+        gather_into(everything, torch.from_numpy(mine), group=self.group)
+        return everything.numpy()
 
     def _count(self, nbytes: int, started: float) -> None:
         self.traffic.calls += 1
