@@ -167,6 +167,8 @@ class TorchGroup:
         self._parent = group
         self.traffic = Traffic()
         """Calls, bytes this rank sent (pickled payloads; broadcasts it sourced) and seconds."""
+        self._gathers = 0
+        """Gathers so far: each has its own root, in turn (every rank counts the same calls)."""
 
     def sibling(self) -> TorchGroup:
         """Another gloo group over the same ranks (collective: every rank calls it), so two
@@ -174,8 +176,10 @@ class TorchGroup:
         return TorchGroup(self._parent, timeout_s=self.timeout_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank: pickled once, gathered on group rank 0 and broadcast from
-        it down a binomial tree, unpickled with the garbage collector paused.
+        """Every rank's ``obj``, by rank: pickled once, gathered on one rank and broadcast from it
+        down a binomial tree, unpickled with the garbage collector paused. The root takes turns
+        (group rank ``k mod N`` for the ``k``-th gather): it receives every rank's bytes and sends
+        the most, 2.5 CPU-ms a gather against 0.6 for the others at 16 ranks on 2 cores.
 
         The first round carries each rank's length and the first ``SLOT_BYTES - 8`` bytes of its
         pickle, which is all of it for most calls (an agreement with no failure and a small
@@ -193,20 +197,22 @@ class TorchGroup:
         import numpy as np
 
         started = time.perf_counter()
+        root = self._gathers % self.world_size
+        self._gathers += 1
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         head = SLOT_BYTES - 8
         slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
         slot[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
         first = min(len(data), head)
         slot[8:8 + first] = np.frombuffer(data, dtype=np.uint8, count=first)
-        table = self._gather_to_all(slot).reshape(self.world_size, SLOT_BYTES)
+        table = self._gather_to_all(slot, root).reshape(self.world_size, SLOT_BYTES)
         lengths = table[:, :8].copy().view("<i8").ravel().tolist()
         width = max(lengths)
         if width > head:  # a second round: every pickle whole, padded to the longest
             mine = np.zeros(width, dtype=np.uint8)
             mine[:len(data)] = np.frombuffer(data, dtype=np.uint8)
             if width * (self.world_size - 1).bit_length() <= TREE_WIDTH_BYTES:
-                table = self._gather_to_all(mine)
+                table = self._gather_to_all(mine, root)
             else:
                 table = self._ring_gather(mine)
             table, offset = table.reshape(self.world_size, width), 0
@@ -217,17 +223,16 @@ class TorchGroup:
         self._count(len(data), started)
         return out
 
-    def _gather_to_all(self, mine):
+    def _gather_to_all(self, mine, root: int):
         """Every rank's equal-sized uint8 array ``mine``, concatenated by rank, on every rank: one
-        gloo gather on group rank 0, then one broadcast from it."""
+        gloo gather on group rank ``root``, then one broadcast from it."""
         import torch
 
         size = mine.size
         everything = torch.empty(size * self.world_size, dtype=torch.uint8)
-        root = self.ranks[0]
-        parts = list(everything.view(self.world_size, size)) if self.rank == 0 else None
-        self._dist.gather(torch.from_numpy(mine), gather_list=parts, dst=root, group=self.group)
-        self._dist.broadcast(everything, src=root, group=self.group)
+        parts = list(everything.view(self.world_size, size)) if self.rank == root else None
+        self._dist.gather(torch.from_numpy(mine), gather_list=parts, dst=self.ranks[root], group=self.group)
+        self._dist.broadcast(everything, src=self.ranks[root], group=self.group)
         return everything.numpy()
 
     def _ring_gather(self, mine):
