@@ -4,8 +4,12 @@ The build never uses the job's default group for its traffic: it makes its own g
 the same ranks (so it works under NCCL jobs, on CPU, with a timeout of its own). Every phase ends
 with :func:`agree`: each rank contributes ``None`` or the failure it caught, all ranks gather
 them, and if any rank failed every rank raises the same :class:`BuildError`, built from the
-gathered list alone. A rank that died makes the gather fail (gloo reports the closed connection,
-or the group's timeout expires); survivors turn that into a BuildError too.
+gathered list alone. A gather is one gloo gather on a root (a different rank each time) and one
+broadcast from it, not gloo's ring all-gather, whose 2 (N - 1) dependent steps made each call
+cost a rank ~10x more at 16 ranks (:meth:`TorchGroup.all_gather_object`). A rank that died makes
+the root's gather fail (gloo reports the closed connection); the root raises and closes the group,
+so the ranks waiting for its broadcast fail too. A hung rank makes every rank fail at the group's
+timeout. Survivors turn either into a BuildError.
 
 Without torch (or outside a distributed job) :class:`LocalGroup` stands in with one rank.
 """

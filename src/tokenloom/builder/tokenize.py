@@ -94,6 +94,7 @@ def tokenize_on_ranks(inputs: Sequence[str] | str, output_prefix: str, config: T
     try:
         return _run(inputs, normalize_prefix(output_prefix), config, group, started)
     finally:
+        group.close()  # ours (made over the job's ranks): ranks waiting on this one fail at once
         if owned:
             import torch.distributed as dist
 
