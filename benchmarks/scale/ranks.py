@@ -146,10 +146,10 @@ def launch(world: int, config: dict, cache: str, mode: str) -> list[dict]:
 
 
 def collective_costs(world: int) -> dict:
-    """Latency of a small gather (the build's own: gather on rank 0 and a binomial broadcast; and
-    torch's ``all_gather_object``, gloo's ring, for comparison) and bandwidth of a 64 MiB
-    broadcast over gloo on 127.0.0.1 with ``world`` idle ranks (the cost of the build's
-    collectives, apart from waiting)."""
+    """Latency of a small gather (the build's own: a gather on one rank, the root taking turns, and
+    a binomial broadcast from it; and torch's ``all_gather_object``, gloo's ring, for comparison)
+    and bandwidth of a 64 MiB broadcast over gloo on 127.0.0.1 with ``world`` idle ranks (the cost
+    of the build's collectives, apart from waiting)."""
     if world == 1:
         return {"gather_s": 0.0, "ring_gather_s": 0.0, "broadcast_bytes_per_s": float("inf")}
     code = r'''
