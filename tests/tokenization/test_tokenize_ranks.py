@@ -1,6 +1,7 @@
 """Tokenization divided over torchrun ranks (gloo, 127.0.0.1): the store is byte-identical to one
 process's for every number of ranks, large files split at line starts with their line numbers
-right, a failing rank fails every rank with the same message, and a rerun keeps finished parts."""
+right, a failing rank fails every rank with the same message, a killed rank fails the others at
+once, and a rerun keeps finished parts."""
 
 from __future__ import annotations
 
@@ -120,3 +121,52 @@ def test_a_rerun_keeps_the_parts_of_ranks_that_finished(corpus, tmp_path):
     assert not parts.exists()
     tokenize_to_store([str(corpus)], str(tmp_path / "one"), TokenizeConfig(workers=0))
     assert _files(tmp_path / "out") == _files(tmp_path / "one")
+
+
+KILLED_RANK_SCRIPT = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import tokenloom.builder.tokenize as tk
+from tokenloom.tokenization import TokenizeConfig
+rank, world, port, corpus, output = int(sys.argv[1]), 3, int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=120))
+if rank == 2:  # dies in its part, between the planning agreement and the tokenize one
+    tk._tokenize_part = lambda *args, **kwargs: os._exit(3)
+started = time.perf_counter()
+try:
+    tk.tokenize_on_ranks([corpus], output, TokenizeConfig(workers=0, chunk_bytes=4096), group=dist.group.WORLD,
+                         timeout_s=60.0)
+    outcome = {"error": None}
+except Exception as exc:
+    outcome = {"error": f"{type(exc).__name__}: {exc}"}
+outcome["seconds"] = time.perf_counter() - started
+print(json.dumps(outcome), flush=True)
+time.sleep(12)  # alive after failing: only the group's close can release a rank waiting on this one
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_rank_fails_the_others_long_before_the_timeout(corpus, tmp_path):
+    # the second agreement's root is rank 1: its gather fails on the dead rank 2, and rank 0, waiting
+    # for rank 1's broadcast, is released by rank 1 closing the tokenization's group; without that
+    # close rank 0 waits until rank 1's process exits (12 s here)
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", KILLED_RANK_SCRIPT, str(rank), str(port), str(corpus),
+                               str(tmp_path / "out")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in range(3)]
+    try:
+        outs = [proc.communicate(timeout=150) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert procs[2].returncode == 3 and not outs[2][0].strip()
+    for rank in (0, 1):
+        assert procs[rank].returncode == 0, outs[rank][1][-3000:]
+        outcome = json.loads(outs[rank][0].strip().splitlines()[-1])
+        assert outcome["error"] is not None and "BuildError" in outcome["error"], outcome
+        assert "killed or hung" in outcome["error"], outcome
+        assert outcome["seconds"] < 8.0, outcome  # the group's timeout is 60 s, the survivors live 12 s
