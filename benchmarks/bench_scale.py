@@ -14,7 +14,8 @@
 4. warm start at 10,000 stores against megatron-core's warm load (``scale/warm.py``);
 5. first use: compile and cache costs (``scale/first_use.py``).
 
-``--skip`` leaves sections out (``--skip warm first_use``).
+``--skip`` leaves sections out (``--skip warm first_use``). The box's own speed is read at the
+start and the end of the run (:func:`box_speed`), to compare runs made on different days.
 """
 
 from __future__ import annotations
@@ -46,6 +47,36 @@ def warm_page_cache(corpus: str) -> dict:
                 while chunk := f.read(1 << 22):
                     total += len(chunk)
     return {"bytes": total, "seconds": time.perf_counter() - started}
+
+
+BOX_SPEED_CODE = r'''
+import json, time
+import numpy as np
+best_loop = best_copy = float("inf")
+a = np.ones(1 << 27)  # 1 GiB of float64
+b = np.empty_like(a)
+for _ in range(3):
+    started = time.perf_counter()
+    total = 0
+    for i in range(10_000_000):
+        total += i
+    best_loop = min(best_loop, time.perf_counter() - started)
+    started = time.perf_counter()
+    np.copyto(b, a)
+    best_copy = min(best_copy, time.perf_counter() - started)
+print(json.dumps({"python_loop_s": best_loop, "copy_gb_per_s": 2 * a.nbytes / best_copy / 1e9}))
+'''
+
+
+def box_speed() -> dict:
+    """How fast this shared VM is right now, in a fresh process: seconds of a 1e7-step Python
+    loop and GB/s of a 1 GiB numpy copy (best of three each). Runs on other days compare by
+    ratios to a peer measured in the same run; this says how the box itself moved between them
+    (the same build has taken 1.5-2.2x as long on one day as on another)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", BOX_SPEED_CODE], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def megatron_cold(corpus: str, work: str) -> dict:
@@ -90,6 +121,9 @@ def main() -> None:
     report: dict = {"corpus": {"stores": len(corpus["stores"]), "tokens": corpus["num_tokens"],
                                "documents": corpus["num_documents"]}, "cores": os.cpu_count()}
 
+    report["box"] = [box_speed()]
+    print(f"box: a 1e7-step Python loop {report['box'][0]['python_loop_s']:.2f} s, a numpy copy "
+          f"{report['box'][0]['copy_gb_per_s']:.1f} GB/s", flush=True)
     report["page_cache"] = warm_page_cache(args.corpus)
     print(f"read every .idx once ({report['page_cache']['bytes'] / 2**30:.2f} GiB, "
           f"{report['page_cache']['seconds']:.1f} s) so neither side waits for the disk", flush=True)
@@ -152,6 +186,10 @@ def main() -> None:
         report["projection"] += measured
         print("\n## Projection at 10,000 datasets with the fixed work of a 16-rank general-path start at "
               f"{stores:,} stores\n\n" + format_projection(measured))
+    report["box"].append(box_speed())
+    print(f"\nbox at the end: a 1e7-step Python loop {report['box'][1]['python_loop_s']:.2f} s, a numpy copy "
+          f"{report['box'][1]['copy_gb_per_s']:.1f} GB/s (at the start: {report['box'][0]['python_loop_s']:.2f} s, "
+          f"{report['box'][0]['copy_gb_per_s']:.1f} GB/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -243,7 +243,11 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
     ``exact-inline`` in the rows). By default one rank with two cores draws in a background
     process, whose start, numba import and pipe copies cost CPU the inline build does not spend
     (0.6-7.8 CPU-s more in four of five paired runs on the benchmark box); the division is also given
-    against the inline build's total (``largest_vs_inline``)."""
+    against the inline build's total (``largest_vs_inline``).
+
+    After the widest exact build, two probes without the build around it: writing its bytes to
+    the page cache from one process and from as many as the ranks (:func:`page_cache_probe`),
+    and a rank's plan from one process and from as many at once (:func:`plan_probe`)."""
     from bench_build import bench_config
 
     config = bench_config(corpus, seq_length, epochs, split)
@@ -298,6 +302,10 @@ def ranks_table(corpus: str, work: str, *, ranks=(1, 2, 4, 8, 16), modes=("exact
         print(f"page cache: writing {probe['bytes'] / 2**30:.2f} GiB cost {probe['one_sys_s']:.2f} system CPU-s "
               f"from 1 process and {probe['many_sys_s']:.2f} from {probe['processes']} holding "
               f"{probe['hold_bytes'] / 2**30:.2f} GiB each", file=sys.stderr, flush=True)
+        out["plan_probe"] = plan_probe(config, len(outs))
+        probe = out["plan_probe"]
+        print(f"plan probe: a rank's plan cost {probe['one_s']:.3f} CPU-s alone and {probe['many_s']:.3f} a "
+              f"process with {probe['processes']} at once", file=sys.stderr, flush=True)
     return out
 
 
@@ -313,6 +321,56 @@ with open(path, "wb") as f:
         f.write(chunk[:min(len(chunk), nbytes - start)])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_stime - before)
 '''
+
+
+PLAN_CHILD = r'''
+import os, pickle, sys, time
+path, me, count, ranks, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+from tokenloom.builder.config import as_build_config
+from tokenloom.builder.items import assign_work, resolve_items
+with open(path, "rb") as f:
+    config, infos, made = pickle.load(f)
+config = as_build_config(config)
+items, splits = resolve_items(config, infos, dict(made))  # once before the clock: code and caches warm
+assign_work(config, items, splits, ranks, items)
+open(f"{path}.ready{me}", "w").close()
+while sum(os.path.exists(f"{path}.ready{k}") for k in range(count)) < count:
+    time.sleep(0.005)  # every process starts the measured work together
+started = time.process_time()
+for _ in range(reps):
+    items, splits = resolve_items(config, infos, dict(made))
+    assign_work(config, items, splits, ranks, items)
+print((time.process_time() - started) / reps)
+'''
+
+
+def plan_probe(config: dict, processes: int, reps: int = 5) -> dict:
+    """CPU seconds of a rank's plan (resolving every item of ``config`` from the gathered
+    dataset items and assigning them to ``processes`` ranks: the same Python work on every rank)
+    in one process alone, and per process with ``processes`` of them at once. Where the two
+    agree, a rank's fixed Python work costs what it costs, not more for sharing the cores."""
+    import pickle
+
+    from tokenloom.builder.config import as_build_config
+    from tokenloom.builder.items import dataset_items, ranges_for
+    from tokenloom.builder.stores import fingerprint_store
+
+    out = {"processes": processes}
+    with tempfile.TemporaryDirectory(prefix="tl-plan-probe-") as tmp:
+        config = {**config, "cache_dir": os.path.join(tmp, "cache"), "mode": "exact"}
+        built = as_build_config(config)
+        infos = {p: fingerprint_store(p, ranges_for(built, p), None) for p in built.prefixes}
+        path = os.path.join(tmp, "plan.pkl")
+        with open(path, "wb") as f:
+            pickle.dump((config, infos, dataset_items(built, infos)), f)
+        for key, count in (("one_s", 1), ("many_s", processes)):
+            for name in os.listdir(tmp):
+                if ".ready" in name:
+                    os.remove(os.path.join(tmp, name))
+            procs = [subprocess.Popen([sys.executable, "-c", PLAN_CHILD, path, str(k), str(count), str(processes),
+                                       str(reps)], stdout=subprocess.PIPE) for k in range(count)]
+            out[key] = statistics.mean(float(p.communicate()[0].decode().split()[-1]) for p in procs)
+    return out
 
 
 def page_cache_probe(nbytes: int, processes: int, hold_bytes: int) -> dict:
@@ -356,6 +414,11 @@ def format_table(result: dict) -> str:
                      f"{probe['processes']} ranks wrote cost {probe['one_sys_s']:.2f} system CPU-s from one "
                      f"process and {probe['many_sys_s']:.2f} from {probe['processes']} processes holding "
                      f"{probe['hold_bytes'] / 2**30:.2f} GiB each (what a rank held before its build call).")
+    probe = result.get("plan_probe")
+    if probe:
+        lines.append(f"\nA rank's plan, without the build around it (resolving all items and assigning them to "
+                     f"{probe['processes']} ranks, the same Python work on every rank): {probe['one_s']:.3f} CPU-s "
+                     f"in one process alone, {probe['many_s']:.3f} a process with {probe['processes']} at once.")
     return "\n".join(lines)
 
 
