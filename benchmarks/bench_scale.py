@@ -72,7 +72,7 @@ def box_speed() -> dict:
     """How fast this shared VM is right now, in a fresh process: seconds of a 1e7-step Python
     loop and GB/s of a 1 GiB numpy copy (best of three each). Runs on other days compare by
     ratios to a peer measured in the same run; this says how the box itself moved between them
-    (the same build has taken 1.5-2.2x as long on one day as on another)."""
+    (the same build has taken 1.5-2.3x as long on one day as on another)."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", BOX_SPEED_CODE], check=True, capture_output=True, text=True)

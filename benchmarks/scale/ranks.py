@@ -369,7 +369,13 @@ def plan_probe(config: dict, processes: int, reps: int = 5) -> dict:
                     os.remove(os.path.join(tmp, name))
             procs = [subprocess.Popen([sys.executable, "-c", PLAN_CHILD, path, str(k), str(count), str(processes),
                                        str(reps)], stdout=subprocess.PIPE) for k in range(count)]
-            out[key] = statistics.mean(float(p.communicate()[0].decode().split()[-1]) for p in procs)
+            seconds = []
+            for proc in procs:
+                stdout = proc.communicate()[0].decode().split()
+                if proc.returncode != 0 or not stdout:
+                    raise SystemExit(f"plan probe: a process of {count} failed with status {proc.returncode}")
+                seconds.append(float(stdout[-1]))
+            out[key] = statistics.mean(seconds)
     return out
 
 
