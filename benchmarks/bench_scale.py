@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -73,8 +74,6 @@ def box_speed() -> dict:
     loop and GB/s of a 1 GiB numpy copy (best of three each). Runs on other days compare by
     ratios to a peer measured in the same run; this says how the box itself moved between them
     (the same build has taken 1.5-2.3x as long on one day as on another)."""
-    import subprocess
-
     out = subprocess.run([sys.executable, "-c", BOX_SPEED_CODE], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

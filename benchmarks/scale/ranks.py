@@ -334,7 +334,10 @@ config = as_build_config(config)
 items, splits = resolve_items(config, infos, dict(made))  # once before the clock: code and caches warm
 assign_work(config, items, splits, ranks, items)
 open(f"{path}.ready{me}", "w").close()
+deadline = time.monotonic() + 300
 while sum(os.path.exists(f"{path}.ready{k}") for k in range(count)) < count:
+    if time.monotonic() > deadline:  # another process died before it was ready: do not wait forever
+        sys.exit(f"plan probe: process {me} waited 300 s for the other {count - 1} to be ready")
     time.sleep(0.005)  # every process starts the measured work together
 started = time.process_time()
 for _ in range(reps):
