@@ -131,7 +131,7 @@ def main() -> None:
         print(f"megatron-core cold build: {report['megatron']['seconds']:.1f} s wall", file=sys.stderr)
     if "ranks" not in args.skip:
         result = ranks_table(args.corpus, os.path.join(args.work, "ranks"), ranks=tuple(args.ranks),
-                             repeats=args.repeats)
+                             repeats=args.repeats, progress_json=args.json and args.json + ".progress")
         report["ranks"] = result
         print("\n## Work per rank (CPU seconds of the build call; oversubscribed on "
               f"{os.cpu_count()} cores)\n\n" + format_table(result))
@@ -148,9 +148,12 @@ def main() -> None:
                   f"the peer is the best: {report['megatron']['seconds']:.1f} s", file=sys.stderr)
         megatron_s = report.get("megatron", {}).get("seconds")
         if megatron_s:
-            print("\n| mode | ranks | megatron-core wall s / largest rank CPU s |\n|---|---:|---:|")
+            print("\n| mode | ranks | megatron-core wall s / largest rank CPU s | megatron-core wall s / build wall s "
+                  "(only where the cores are at least the ranks) |\n|---|---:|---:|---:|")
             for row in result["rows"]:
-                print(f"| {row['mode']} | {row['ranks']} | {megatron_s / row['largest_cpu_s']:.1f}x |")
+                wall = (f"{megatron_s / row['oversubscribed_wall_s']:.1f}x"
+                        if row["ranks"] <= (os.cpu_count() or 1) else "-")
+                print(f"| {row['mode']} | {row['ranks']} | {megatron_s / row['largest_cpu_s']:.1f}x | {wall} |")
         one_rank = next((outs for outs in result["raw"] if outs[0]["world"] == 1 and outs[0]["mode"] == "exact"), None)
         item = largest_item_seconds(one_rank[0]["manifest"]) if one_rank else {"seconds": 0.0}
         report["largest_item"], item_s = item, item["seconds"]
