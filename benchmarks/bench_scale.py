@@ -120,6 +120,11 @@ def main() -> None:
     report: dict = {"corpus": {"stores": len(corpus["stores"]), "tokens": corpus["num_tokens"],
                                "documents": corpus["num_documents"]}, "cores": os.cpu_count()}
 
+    def save() -> None:  # after each section, so that a run stopped part-way keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
     report["box"] = [box_speed()]
     print(f"box: a 1e7-step Python loop {report['box'][0]['python_loop_s']:.2f} s, a numpy copy "
           f"{report['box'][0]['copy_gb_per_s']:.1f} GB/s", flush=True)
@@ -129,12 +134,15 @@ def main() -> None:
     if "megatron" not in args.skip:
         report["megatron"] = megatron_cold(args.corpus, args.work)
         print(f"megatron-core cold build: {report['megatron']['seconds']:.1f} s wall", file=sys.stderr)
+        save()
     if "ranks" not in args.skip:
         result = ranks_table(args.corpus, os.path.join(args.work, "ranks"), ranks=tuple(args.ranks),
                              repeats=args.repeats, progress_json=args.json and args.json + ".progress")
         report["ranks"] = result
-        print("\n## Work per rank (CPU seconds of the build call; oversubscribed on "
-              f"{os.cpu_count()} cores)\n\n" + format_table(result))
+        save()
+        shared = "oversubscribed on" if max(args.ranks) > (os.cpu_count() or 1) else "a core per rank or more, on"
+        print(f"\n## Work per rank (CPU seconds of the build call; {shared} {os.cpu_count()} cores)\n\n"
+              + format_table(result))
         if "megatron" in report:  # again after the ranks, the best of the tries is the peer (the
             # box's speed drifts over a run; a slow first build would flatter the ratios)
             runs = [report["megatron"]["seconds"]]
@@ -175,6 +183,7 @@ def main() -> None:
         report[section] = table(os.path.join(args.work, section))
         print(f"\n## {section}\n\n" + (module.format_table(report[section]) if hasattr(module, "format_table")
                                       else json.dumps(report[section], indent=1)))
+        save()
     # the general path's fixed work at 10,000 stores: a start that hashes every store and makes,
     # gathers and plans every item (verify_stores=hash keeps no warm-start record), as a cold build does
     warm_rows = [r for r in report.get("warm", {}).get("rows", ())
@@ -192,9 +201,7 @@ def main() -> None:
     print(f"\nbox at the end: a 1e7-step Python loop {report['box'][1]['python_loop_s']:.2f} s, a numpy copy "
           f"{report['box'][1]['copy_gb_per_s']:.1f} GB/s (at the start: {report['box'][0]['python_loop_s']:.2f} s, "
           f"{report['box'][0]['copy_gb_per_s']:.1f} GB/s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    save()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ call (scale/first_use.py measures those costs). On N free cores the wall time is
 largest rank's CPU seconds plus the cost of the collectives themselves (measured separately
 here: ``collective_costs``, an upper bound on an oversubscribed machine); that estimate is a
 floor, as 16 free cores showed (BENCHMARKS.md): the ranks also wait on each other at the end of
-every phase and on ``fsync``, 1.3-1.5 s more at 16 ranks there. Where the cores are at least
+every phase and on ``fsync``, 1.2-1.4 s more at 16 ranks there. Where the cores are at least
 the ranks, the ``wall s`` column is the build's real wall time (the ranks meet at a barrier
 before the call). Each build runs
 ``--repeats`` times (default 3), the rank counts taking turns, and the try whose largest rank
