@@ -108,3 +108,35 @@ def test_a_collector_that_was_off_stays_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _BrokenGroup:
+    """A group whose gather fails as gloo does: a timeout, or a peer's closed connection."""
+
+    rank = 1
+    timeout_s = 60.0
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def all_gather_object(self, obj):
+        raise RuntimeError(self.message)
+
+
+def test_a_broken_gather_names_a_timeout_only_when_it_timed_out():
+    from tokenloom.builder.collective import gather
+    from tokenloom.errors import BuildError
+
+    timed_out = "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv operation to complete"
+    with pytest.raises(BuildError) as info:
+        gather(_BrokenGroup(timed_out), None, phase="build")
+    message = str(info.value)
+    assert "rank 1: the other ranks did not answer in the build phase within 60 s" in message
+    assert "Timed out waiting 60000ms" in message and "killed or hung" in message
+
+    closed = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11957. This is typically..."
+    with pytest.raises(BuildError) as info:
+        gather(_BrokenGroup(closed), None, phase="finalize")
+    message = str(info.value)
+    assert "rank 1: the build's group broke in the finalize phase (a peer's connection closed)" in message
+    assert "within 60 s" not in message and "Connection closed by peer" in message and "killed or hung" in message

@@ -166,7 +166,10 @@ def test_a_killed_rank_fails_the_others_long_before_the_timeout(corpus, tmp_path
     assert procs[2].returncode == 3 and not outs[2][0].strip()
     for rank in (0, 1):
         assert procs[rank].returncode == 0, outs[rank][1][-3000:]
-        outcome = json.loads(outs[rank][0].strip().splitlines()[-1])
-        assert outcome["error"] is not None and "BuildError" in outcome["error"], outcome
-        assert "killed or hung" in outcome["error"], outcome
-        assert outcome["seconds"] < 8.0, outcome  # the group's timeout is 60 s, the survivors live 12 s
+    outcomes = [json.loads(outs[rank][0].strip().splitlines()[-1]) for rank in (0, 1)]
+    # both survivors' outcomes and the end of their stderr: a slow failure says which rank waited on which
+    report = "\n".join(f"rank {rank}: {outcomes[rank]}\n{outs[rank][1][-2000:]}" for rank in (0, 1))
+    for outcome in outcomes:
+        assert outcome["error"] is not None and "BuildError" in outcome["error"], report
+        assert "killed or hung" in outcome["error"], report
+        assert outcome["seconds"] < 8.0, report  # the group's timeout is 60 s, the survivors live 12 s

@@ -317,9 +317,13 @@ def gather(group, obj: Any, *, phase: str) -> list[Any]:
     except TokenloomError:
         raise
     except Exception as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        if "timed out" in detail.lower() or isinstance(exc, TimeoutError):
+            what = f"the other ranks did not answer in the {phase} phase within {group.timeout_s:g} s"
+        else:  # a peer's connection closed or broke: it failed at once, not at the timeout
+            what = f"the build's group broke in the {phase} phase (a peer's connection closed)"
         raise BuildError(
-            f"rank {group.rank}: the other ranks did not answer in the {phase} phase within "
-            f"{group.timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"rank {group.rank}: {what} ({type(exc).__name__}: {detail}); "
             "a rank was killed or hung. Rerun the build: finished items are reused from the cache"
         ) from exc
 
