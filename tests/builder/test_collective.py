@@ -140,3 +140,8 @@ def test_a_broken_gather_names_a_timeout_only_when_it_timed_out():
     message = str(info.value)
     assert "rank 1: the build's group broke in the finalize phase (a peer's connection closed)" in message
     assert "within 60 s" not in message and "Connection closed by peer" in message and "killed or hung" in message
+
+    with pytest.raises(BuildError) as info:
+        gather(_BrokenGroup("unexpected failure"), None, phase="plan")
+    message = str(info.value)
+    assert "rank 1: the build's gather failed in the plan phase (RuntimeError: unexpected failure)" in message

@@ -318,10 +318,14 @@ def gather(group, obj: Any, *, phase: str) -> list[Any]:
         raise
     except Exception as exc:
         detail = str(exc).splitlines()[0] if str(exc) else ""
-        if "timed out" in detail.lower() or isinstance(exc, TimeoutError):
+        lowered = detail.lower()
+        if "timed out" in lowered or isinstance(exc, TimeoutError):
             what = f"the other ranks did not answer in the {phase} phase within {group.timeout_s:g} s"
-        else:  # a peer's connection closed or broke: it failed at once, not at the timeout
+        elif any(word in lowered for word in ("closed", "reset", "broken pipe", "refused")):
+            # a peer's process ended: the gather failed at once, not at the timeout
             what = f"the build's group broke in the {phase} phase (a peer's connection closed)"
+        else:
+            what = f"the build's gather failed in the {phase} phase"
         raise BuildError(
             f"rank {group.rank}: {what} ({type(exc).__name__}: {detail}); "
             "a rank was killed or hung. Rerun the build: finished items are reused from the cache"
