@@ -159,7 +159,7 @@ def main() -> None:
             print("\n| mode | ranks | megatron-core wall s / largest rank CPU s | megatron-core wall s / build wall s "
                   "(only where the cores are at least the ranks) |\n|---|---:|---:|---:|")
             for row in result["rows"]:
-                wall = (f"{megatron_s / row['oversubscribed_wall_s']:.1f}x"
+                wall = (f"{megatron_s / row['wall_s']:.1f}x"
                         if row["ranks"] <= (os.cpu_count() or 1) else "-")
                 print(f"| {row['mode']} | {row['ranks']} | {megatron_s / row['largest_cpu_s']:.1f}x | {wall} |")
         one_rank = next((outs for outs in result["raw"] if outs[0]["world"] == 1 and outs[0]["mode"] == "exact"), None)
