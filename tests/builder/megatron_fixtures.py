@@ -34,8 +34,10 @@ def _blend(value):
     return value
 
 
-def gpt_dataset_config(config: dict, path_to_cache):
-    """megatron-core's GPTDatasetConfig for a tokenloom config mapping (NullTokenizer(1000))."""
+def gpt_dataset_config(config: dict, path_to_cache, **settings):
+    """megatron-core's GPTDatasetConfig for a tokenloom config mapping (NullTokenizer(1000));
+    ``path_to_cache`` None leaves it unset; ``settings`` are further GPTDatasetConfig fields
+    (``sequences_per_dataset``, ``inter_document_masking``, ``multiple_validation_sets`` ...)."""
     _, _, _, GPTDatasetConfig, NullTokenizer = _megatron()
     tokenizer = NullTokenizer(1000)
     assert dict(tokenizer.unique_identifiers) == NULL_TOKENIZER
@@ -47,20 +49,24 @@ def gpt_dataset_config(config: dict, path_to_cache):
     mcfg = GPTDatasetConfig(
         random_seed=config.get("seed", 1234), sequence_length=config["seq_length"],
         blend=_blend(config.get("blend")), blend_per_split=per_split, split=config.get("split"),
-        path_to_cache=str(path_to_cache), tokenizer=tokenizer, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False,
+        path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         add_extra_token_to_sequence=config.get("add_extra_token", True),
         drop_last_partial_validation_sequence=config.get("drop_last_partial_validation_sequence", True),
         mid_level_dataset_surplus=config.get("mid_level_dataset_surplus", 0.005),
+        **settings,
     )
     return mcfg
 
 
-def megatron_datasets(config: dict, path_to_cache):
-    """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping."""
+def megatron_datasets(config: dict, path_to_cache, *, dataset_type=None, sizes=None, **settings):
+    """megatron-core's BlendedMegatronDatasetBuilder(...).build() for a tokenloom config mapping
+    (``dataset_type`` default GPTDataset; ``sizes`` default the config's sample counts)."""
     _, Builder, GPTDataset, _, _ = _megatron()
-    sizes = [config.get("train_samples"), config.get("valid_samples"), config.get("test_samples")]
-    return Builder(GPTDataset, sizes, lambda: True, gpt_dataset_config(config, path_to_cache)).build()
+    if sizes is None:
+        sizes = [config.get("train_samples"), config.get("valid_samples"), config.get("test_samples")]
+    return Builder(dataset_type or GPTDataset, list(sizes), lambda: True,
+                   gpt_dataset_config(config, path_to_cache, **settings)).build()
 
 
 @contextlib.contextmanager
