@@ -59,7 +59,8 @@ def write_corpus(directory, num_stores: int, *, seed: int = 0, vocab_size: int =
 def megatron_blended(prefixes, weights, *, num_samples: int, seq_length: int, seed: int, cache_dir,
                      vocab_size: int = 1000, split: str = "1,0,0", eod_mask_loss=False,
                      reset_position_ids=False, reset_attention_mask=False, create_attention_mask=True,
-                     add_extra_token=True, split_name="train", drop_last_partial_validation=True):
+                     add_extra_token=True, split_name="train", drop_last_partial_validation=True,
+                     inter_document_masking=False):
     """megatron-core's train BlendedDataset over the same stores (skips when it is missing)."""
     pytest.importorskip("megatron.core")
     warnings.filterwarnings("ignore", module="megatron")
@@ -76,6 +77,7 @@ def megatron_blended(prefixes, weights, *, num_samples: int, seq_length: int, se
         eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
         add_extra_token_to_sequence=add_extra_token,
         drop_last_partial_validation_sequence=drop_last_partial_validation,
+        inter_document_masking=inter_document_masking,
     )
     names = ("train", "valid", "test")
     sizes = [num_samples if name == split_name else 0 for name in names]

@@ -95,7 +95,8 @@ def _free_port() -> int:
 
 def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
     """4 gloo ranks (tp=2, pp=2) launched by torchrun; tensor peers end up with equal tensors,
-    equal to what one process reads, in both load modes."""
+    equal to what one process reads, in both load modes, and with the document boundaries
+    (int32 cu_seqlens and max_seqlen broadcast to the peers of both stages)."""
     out = tmp_path / "out"
     out.mkdir()
     config = {"prefixes": [d.name for d in source.datasets], "weights": [0.6, 0.4], "num_samples": 400,
@@ -112,13 +113,16 @@ def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
     expected_audit = MixtureAudit()
     for _ in RankLoader(source, geometry, max_steps=3, audit=expected_audit):
         pass
-    for mode in ("broadcast", "every_rank"):  # rank 0 logged every step of the job
+    for mode in ("broadcast", "every_rank", "documents"):  # rank 0 logged every step of the job
         logged = read_audit_log(out / f"{mode}-audit.jsonl").records
         assert [r["fingerprint"] for r in logged] == [r["fingerprint"] for r in expected_audit.records]
-    for mode, rank in ((m, r) for m in ("broadcast", "every_rank") for r in range(4)):
+    for mode, rank in ((m, r) for m in ("broadcast", "every_rank", "documents") for r in range(4)):
         got = np.load(out / f"{mode}-rank{rank}.npz")
+        options = SampleOptions(inter_document_masking=mode == "documents")
         expected = list(RankLoader(source, geometry, topology=topology, rank=topology.rank_of(
-            pp_rank=topology.coordinates(rank).pp_rank), max_steps=3))
+            pp_rank=topology.coordinates(rank).pp_rank), max_steps=3, options=options))
+        if mode == "documents":
+            assert {"cu_seqlens", "max_seqlen"} <= set(expected[0])
         names = sorted({k.split("/")[1] for k in got.files})
         assert names == sorted(expected[0])
         for n, batch in enumerate(expected):

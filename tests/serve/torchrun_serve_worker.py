@@ -1,4 +1,5 @@
-"""Run by test_serve_torch.py under torchrun: one rank of a tp=2 x pp=2 job saves what it got."""
+"""Run by test_serve_torch.py under torchrun: one rank of a tp=2 x pp=2 job saves what it got
+(tensor rank 0 broadcasting, every rank loading, and broadcasting the document boundaries)."""
 
 import json
 import sys
@@ -6,7 +7,7 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-from tokenloom.serve import BatchGeometry, MixtureAudit, StoreBlendSource, Topology
+from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, StoreBlendSource, Topology
 from tokenloom.serve.torch_adapter import DistributedBatches, tensor_parallel_group
 
 
@@ -21,15 +22,18 @@ def main() -> None:
                                                 seq_length=config["seq_length"], seed=config["seed"])
         geometry = BatchGeometry(global_batch_size=4, micro_batch_size=2, dp=1)
         group = tensor_parallel_group(topology, rank)
-        for mode, workers in (("broadcast", 1), ("every_rank", 0)):
-            audit = MixtureAudit(f"{config['out']}/{mode}-audit.jsonl") if rank == 0 else None
+        documents = SampleOptions(inter_document_masking=True)
+        for name, mode, workers, options in (("broadcast", "broadcast", 1, SampleOptions()),
+                                             ("every_rank", "every_rank", 0, SampleOptions()),
+                                             ("documents", "broadcast", 1, documents)):
+            audit = MixtureAudit(f"{config['out']}/{name}-audit.jsonl") if rank == 0 else None
             batches = DistributedBatches(source, geometry, topology, rank, mode=mode, tp_group=group,
-                                         num_workers=workers, max_steps=3, audit=audit)
+                                         num_workers=workers, max_steps=3, audit=audit, options=options)
             saved = {}
             for n, batch in enumerate(batches):
                 for k, v in batch.items():
                     saved[f"{n}/{k}"] = v.numpy()
-            np.savez(f"{config['out']}/{mode}-rank{rank}.npz", **saved)
+            np.savez(f"{config['out']}/{name}-rank{rank}.npz", **saved)
         dist.barrier()
     finally:
         dist.destroy_process_group()

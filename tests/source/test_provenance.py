@@ -174,6 +174,15 @@ def test_the_where_and_find_commands(built, stores, capsys, tmp_path):
     found = json.loads(capsys.readouterr().out)
     assert 8 in found["positions"] and 2 in found["steps"]
     assert found["steps"] == sorted({p // 4 for p in found["positions"]})
+    assert cli_main(["where", str(config), "--positions", "8:12", "--inter-document-masking", "--json"]) == 0
+    with_boundaries = json.loads(capsys.readouterr().out)
+    seq_length = source.seq_length
+    for record in with_boundaries:  # every piece but the last ends a document; the last ends at S
+        inner = np.cumsum([p["length"] for p in record["pieces"]])[:-1]
+        ends = [0, *(int(e) for e in inner if e < seq_length), seq_length]
+        assert record["cu_seqlens"] == ends and record["max_seqlen"] == max(np.diff(ends))
+    assert cli_main(["where", str(config), "--positions", "3:5", "--inter-document-masking"]) == 0
+    assert "cu_seqlens 0 " in capsys.readouterr().out
     assert cli_main(["where", str(config), "--positions", "3:5"]) == 0
     text = capsys.readouterr().out
     assert "position 3  dataset" in text and "position 4  dataset" in text and "document" in text

@@ -138,10 +138,29 @@ def _decoder(store):
                       f"{kind or 'none'}{' at ' + record['path'] + ' (missing)' if record.get('path') else ''}")
 
 
+def _document_boundaries(source, positions: np.ndarray) -> list[dict]:
+    """Each sample's ``cu_seqlens`` (without megatron-core's padding) and ``max_seqlen``, as the
+    loaders serve them with ``inter_document_masking``."""
+    from tokenloom.serve import BatchPipeline, SampleOptions
+
+    pipeline = BatchPipeline(source, options=SampleOptions(inter_document_masking=True),
+                             fields=("cu_seqlens", "max_seqlen"))
+    fields = pipeline.read(*source.locate(positions))
+    out = []
+    for cu, longest in zip(fields["cu_seqlens"], fields["max_seqlen"]):
+        documents = int(np.argmax(cu == source.seq_length))  # the first S closes the last document
+        out.append({"cu_seqlens": [int(c) for c in cu[:documents + 1]], "max_seqlen": int(longest)})
+    return out
+
+
 def run_where(args: argparse.Namespace) -> int:
     source = _open_split(args.config, args.split)
-    origins = source.where(_positions(args))
+    positions = _positions(args)
+    origins = source.where(positions)
     records = [origin.to_dict() for origin in origins]
+    if args.boundaries:
+        for record, boundaries in zip(records, _document_boundaries(source, positions)):
+            record.update(boundaries)
     if args.text:
         decoders: dict[int, object] = {}
         for origin, record in zip(origins, records):
@@ -160,6 +179,8 @@ def run_where(args: argparse.Namespace) -> int:
         for piece in record["pieces"]:
             print(f"  document {piece['document']:>10}  tokens {piece['offset']}..{piece['offset'] + piece['length']}"
                   f" ({piece['length']})")
+        if args.boundaries:
+            print(f"  cu_seqlens {' '.join(str(c) for c in record['cu_seqlens'])}  max_seqlen {record['max_seqlen']}")
         if args.text:
             print("  text: " + json.dumps(record["text"]))
     return 0
@@ -199,8 +220,11 @@ def register(subparsers) -> None:
     p.add_argument("--step", type=int, metavar="S", help="0-based optimizer step (with --global-batch-size)")
     p.add_argument("--global-batch-size", type=int, metavar="G")
     p.add_argument("--text", action="store_true", help="also decode each sample's tokens (needs a tokenizer record)")
+    p.add_argument("--inter-document-masking", dest="boundaries", action="store_true",
+                   help="also print each sample's document boundaries as served with inter_document_masking: "
+                   "cu_seqlens (without the padding to seq_length + 1) and max_seqlen")
     p.add_argument("--json", action="store_true", help="print a JSON list of {position, dataset, prefix, sample, "
-                   "pieces: [{document, offset, length}]}")
+                   "pieces: [{document, offset, length}]} (and cu_seqlens, max_seqlen)")
     p.set_defaults(run=run_where)
     p = subparsers.add_parser(
         "find", help="every global position (and step) whose sample holds a piece of one document",

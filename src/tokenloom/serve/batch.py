@@ -4,12 +4,15 @@ Every loader in serve -- :class:`~tokenloom.serve.loader.RankLoader` (and the JA
 on top of it), the PyTorch ``ServeDataset`` -- turns a micro-batch into numpy fields with one
 :class:`BatchPipeline`; the framework adapters only wrap the arrays. For ``B`` pairs it
 
-1. reads the rows: ``source.read_samples`` -> ``(B, seq_length + add_extra_token)`` tokens;
+1. reads the rows: ``source.read_samples`` -> ``(B, seq_length + add_extra_token)`` tokens (with
+   ``inter_document_masking``, ``source.read_pieces``: the rows and their document pieces, read by
+   the same gather);
 2. builds megatron-core's fields (:func:`~tokenloom.serve.samples.build_fields`), each row with
-   its own dataset's EOD id;
+   its own dataset's EOD id, and the document-boundary fields from the pieces;
 3. keeps the fields a pipeline stage consumes (``fields``; None keeps all);
 4. cuts the context-parallel rank's two sequence chunks
-   (:func:`~tokenloom.serve.topology.context_parallel_slice`);
+   (:func:`~tokenloom.serve.topology.context_parallel_slice`; ``cu_seqlens`` and ``max_seqlen``
+   describe the whole sample and stay whole, as Megatron-LM leaves them);
 5. adds ``dataset_id``, ``(B,)`` in megatron-core's dtype (int16, int32 beyond 32766 datasets).
 
 :meth:`BatchPipeline.schema` is the shape and dtype of every field of a micro-batch (what a
@@ -61,18 +64,31 @@ class BatchPipeline:
                                  dtype=np.int64)  # (num_datasets,) -1: no EOD id
         # megatron-core's BlendedDataset hands out int16 dataset ids (int32 beyond 32766 datasets)
         self._id_dtype = megatron_dataset_id_dtype(len(source.datasets))
+        if options.inter_document_masking:
+            check_pieces(source)
 
     def read(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
         """Every field of the samples ``(dataset_ids[k], sample_ids[k])``; see the module docstring."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
+        if self.options.inter_document_masking:
+            sample_ids = np.asarray(sample_ids, dtype=np.int64)
+            tokens, ends, counts = self.source.read_pieces(dataset_ids, sample_ids)
+
+            def describe(row: int) -> str:
+                return f"{self.source.datasets[int(dataset_ids[row])].name}: sample {int(sample_ids[row])}"
+
+            return self.from_rows(tokens, dataset_ids, pieces=(ends, counts), describe_row=describe)
         rows = self.source.read_samples(dataset_ids, sample_ids)  # (B, seq_length + add_extra_token)
         return self.from_rows(rows, dataset_ids)
 
-    def from_rows(self, rows: np.ndarray, dataset_ids) -> dict[str, np.ndarray]:
-        """Steps 2-5 on rows already read: ``rows[k]`` is a sample of dataset ``dataset_ids[k]``."""
+    def from_rows(self, rows: np.ndarray, dataset_ids, *, pieces=None, describe_row=None) -> dict[str, np.ndarray]:
+        """Steps 2-5 on rows already read: ``rows[k]`` is a sample of dataset ``dataset_ids[k]``;
+        ``pieces``: the rows' ``(ends, counts)`` (:class:`~tokenloom.source.protocol.PieceRows`);
+        ``describe_row``: what an error calls row k."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
         out = build_fields(rows, eod_ids=self._eod_ids[dataset_ids], pad_id=self.source.pad_id,
-                           add_extra_token=self.source.add_extra_token, options=self.options)
+                           add_extra_token=self.source.add_extra_token, options=self.options, pieces=pieces,
+                           describe_row=describe_row)
         if self.fields is not None:
             out = {name: value for name, value in out.items() if name in self.fields}
         if self.cp_size > 1:  # (B, S) -> (B, S / cp); attention_mask (B, 1, S, S) -> (B, 1, S / cp, S)
@@ -86,8 +102,10 @@ class BatchPipeline:
         to ``micro_batch_size``."""
         if not is_integer(micro_batch_size) or micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
-        row = np.zeros((1, self.source.seq_length + int(self.source.add_extra_token)), dtype=np.int64)  # (1, width)
-        one = self.from_rows(row, np.zeros(1, dtype=np.int64))
+        width = self.source.seq_length + int(self.source.add_extra_token)
+        row = np.zeros((1, width), dtype=np.int64)  # (1, width)
+        pieces = (np.full((1, width + 1), width, dtype=np.int32), np.ones(1, dtype=np.int32))  # one document
+        one = self.from_rows(row, np.zeros(1, dtype=np.int64), pieces=pieces)
         return {name: FieldSpec((int(micro_batch_size), *value.shape[1:]), value.dtype) for name, value in one.items()}
 
 
@@ -106,6 +124,16 @@ def field_schema(source: SampleSource, micro_batch_size: int, *, options: Sample
     return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size)
 
 
+def check_pieces(source: SampleSource) -> None:
+    """ConfigError when ``source`` cannot say where its samples' documents end (it has no
+    ``read_pieces``), which ``inter_document_masking`` needs."""
+    if not callable(getattr(source, "read_pieces", None)):
+        raise ConfigError(
+            f"inter_document_masking needs each sample's document pieces, but {type(source).__name__} has no "
+            "read_pieces (only tokens); serve a split of tokenloom.build or a source of tokenloom.source, or "
+            "serve without inter_document_masking")
+
+
 def check_eod(source: SampleSource, options: SampleOptions) -> None:
     """ConfigError when ``options`` act on end-of-document tokens but a dataset has no EOD id."""
     if not (options.eod_mask_loss or options.reset_position_ids or options.reset_attention_mask):
@@ -117,4 +145,4 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
             "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
 
 
-__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "field_schema", "read_fields"]
+__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "read_fields"]

@@ -12,6 +12,23 @@ this builds, for every row at once:
 * ``attention_mask`` (``create_attention_mask``) -- ``(B, 1, S, S)`` bool, True where attention is
   *masked*: above the diagonal, and with ``reset_attention_mask`` across EOD boundaries.
 
+With ``inter_document_masking`` (megatron-core 0.19's switch of that name) a sample carries its
+document boundaries instead of a mask, taken from the document pieces the index cut the sample
+from (:class:`~tokenloom.source.protocol.PieceRows`), not from EOD tokens, so stores without EOD
+tokens have them too:
+
+* ``cu_seqlens`` -- ``(B, S + 1)`` int32: ``0``, the end of every piece, then ``S`` repeated
+  (megatron-core pads it to a fixed length so samples stack). As megatron-core makes it: the
+  extra token is taken off the last piece (a piece left empty is dropped), and the padding of a
+  short sample belongs to its last document; empty documents inside a sample stay as repeated
+  entries;
+* ``max_seqlen`` -- ``(B,)`` int32: the longest document piece of each sample;
+* ``position_ids`` -- restart at 0 at every piece (``reset_position_ids`` has no further effect).
+
+megatron-core then returns no ``attention_mask``, so asking for both is refused. Nothing here is
+S^2: the boundary fields cost one pass over each row (a compiled loop, or numpy where numba is
+missing).
+
 Then, as megatron-core does, pad ids in tokens and labels become 0 so the embedding can take them.
 All numpy, no torch; the adapters wrap the arrays.
 """
@@ -22,9 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenloom.errors import ConfigError
+from tokenloom.errors import ConfigError, FormatError, InputError
+from tokenloom.index.kernels import compiled, jit, numba_available
 
 FIELD_NAMES = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+BOUNDARY_FIELDS = ("cu_seqlens", "max_seqlen")
+"""The document-boundary fields ``inter_document_masking`` adds (megatron-core's names)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,14 +65,28 @@ class SampleOptions:
     """Add the ``(1, S, S)`` bool causal mask per sample (megatron-core's default is True; it is
     S^2 bytes per sample, so tokenloom leaves it to the attention kernel unless asked)."""
 
+    inter_document_masking: bool = False
+    """Carry each sample's document boundaries (``cu_seqlens``, ``max_seqlen``) and restart
+    position ids per document, from the index's document pieces, so that attention can stay
+    inside each document (megatron-core's ``GPTDatasetConfig.inter_document_masking``)."""
+
     def __post_init__(self) -> None:
-        for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "create_attention_mask"):
+        for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "create_attention_mask",
+                     "inter_document_masking"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SampleOptions.{name}={getattr(self, name)!r}; expected True or False")
+        if self.inter_document_masking and self.create_attention_mask:
+            raise ConfigError(
+                "SampleOptions(inter_document_masking=True, create_attention_mask=True); expected one of them: "
+                "with inter_document_masking megatron-core's GPTDataset returns cu_seqlens and no attention_mask "
+                "(Megatron-LM turns create_attention_mask_in_dataloader off), and the attention kernel takes "
+                "the boundaries instead of an S x S mask")
 
     @property
     def field_names(self) -> tuple[str, ...]:
         """The fields a sample carries, in megatron-core's order."""
+        if self.inter_document_masking:
+            return FIELD_NAMES[:4] + BOUNDARY_FIELDS
         return FIELD_NAMES if self.create_attention_mask else tuple(n for n in FIELD_NAMES if n != "attention_mask")
 
 
@@ -67,13 +101,21 @@ def _segment_starts(is_eod: np.ndarray) -> np.ndarray:
 
 
 def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: bool = True,
-                 options: SampleOptions = SampleOptions()) -> dict[str, np.ndarray]:
+                 options: SampleOptions = SampleOptions(), pieces=None,
+                 describe_row=None) -> dict[str, np.ndarray]:
     """The training fields of every row, vectorised; see the module docstring.
 
     ``eod_ids``: one id for all rows, or one per row (``(B,)``, e.g. per dataset); None or -1
-    means no EOD handling for that row. Returns tokens/labels/position_ids int64 ``(B, S)``,
-    loss_mask float32 ``(B, S)``, attention_mask bool ``(B, 1, S, S)`` when asked.
+    means no EOD handling for that row. ``pieces``: ``(ends, counts)`` of the rows' document
+    pieces (:class:`~tokenloom.source.protocol.PieceRows`), needed by ``inter_document_masking``
+    (``describe_row``: row index -> its name in an error, see :func:`document_fields`).
+    Returns tokens/labels/position_ids int64 ``(B, S)``, loss_mask float32 ``(B, S)``,
+    attention_mask bool ``(B, 1, S, S)`` when asked, cu_seqlens int32 ``(B, S + 1)`` and
+    max_seqlen int32 ``(B,)`` with ``inter_document_masking``.
     """
+    if options.inter_document_masking and pieces is None:
+        raise ConfigError("inter_document_masking needs the rows' document pieces (pieces=(ends, counts), "
+                          "from a source's read_pieces); the rows alone do not say where documents end")
     rows = np.asarray(rows)
     if rows.ndim != 2:
         raise ConfigError(f"rows has shape {rows.shape}; expected (batch, seq_length + add_extra_token)")
@@ -87,7 +129,8 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
         labels[:, :-1] = rows[:, 1:]
         labels[:, -1] = pad_id
     batch, seq = tokens.shape
-    needs_eod = options.eod_mask_loss or options.reset_position_ids or (
+    by_document = options.inter_document_masking
+    needs_eod = options.eod_mask_loss or (options.reset_position_ids and not by_document) or (
         options.reset_attention_mask and options.create_attention_mask)
     if needs_eod:
         eod = _eod_column(eod_ids, batch)  # (B, 1) broadcasts against (B, S)
@@ -96,13 +139,21 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
     loss_mask = np.ones((batch, seq), dtype=np.float32)
     if options.eod_mask_loss:
         loss_mask[is_eod] = 0.0
-    if options.reset_position_ids or (options.reset_attention_mask and options.create_attention_mask):
+    if (options.reset_position_ids and not by_document) or (options.reset_attention_mask
+                                                             and options.create_attention_mask):
         starts = _segment_starts(is_eod)
-    if options.reset_position_ids:
+    if by_document:
+        cu_seqlens, max_seqlen, position_ids = document_fields(*pieces, seq_length=seq,
+                                                               add_extra_token=add_extra_token,
+                                                               describe_row=describe_row)
+    elif options.reset_position_ids:
         position_ids = np.arange(seq, dtype=np.int64) - starts  # (B, S)
     else:
         position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
     fields = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if by_document:
+        fields["cu_seqlens"] = cu_seqlens
+        fields["max_seqlen"] = max_seqlen
     if options.create_attention_mask:
         causal = np.tril(np.ones((seq, seq), dtype=bool))  # (S, S) True = may attend
         if options.reset_attention_mask:
@@ -117,6 +168,126 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
         tokens[tokens == pad_id] = 0
         labels[labels == pad_id] = 0
     return fields
+
+
+def document_fields(ends: np.ndarray, counts: np.ndarray, *, seq_length: int, add_extra_token: bool,
+                    backend: str | None = None,
+                    describe_row=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """megatron-core's boundary fields from the rows' document pieces (see the module docstring):
+    ``cu_seqlens`` (B, S + 1) int32, ``max_seqlen`` (B,) int32, ``position_ids`` (B, S) int64.
+
+    ``ends``/``counts``: :class:`~tokenloom.source.protocol.PieceRows`'s. ``backend``: "numba"
+    (the default where installed) or "numpy"; identical results. ``describe_row``: row index ->
+    what an error calls that row (default "row k of the batch").
+    """
+    counts = np.ascontiguousarray(counts, dtype=np.int32)
+    batch = counts.shape[0]
+    cu_seqlens = np.empty((batch, seq_length + 1), dtype=np.int32)  # (B, S + 1)
+    max_seqlen = np.empty(batch, dtype=np.int32)  # (B,)
+    position_ids = np.empty((batch, seq_length), dtype=np.int64)  # (B, S)
+    if backend is None:
+        backend = "numba" if numba_available() else "numpy"
+    if backend == "numba":
+        bad = compiled(_document_fields_kernel)(np.ascontiguousarray(ends, dtype=np.int32), counts,
+                                                np.int64(seq_length), bool(add_extra_token), cu_seqlens,
+                                                max_seqlen, position_ids)
+    elif backend == "numpy":
+        bad = _document_fields_numpy(np.asarray(ends), counts, seq_length, bool(add_extra_token), cu_seqlens,
+                                     max_seqlen, position_ids)
+    else:
+        raise ConfigError(f"backend={backend!r}; expected 'numba' or 'numpy'")
+    name = describe_row or (lambda row: f"row {row} of the batch")
+    if bad <= -2:
+        raise InputError(f"{name(-2 - bad)} holds {int(counts[-2 - bad])} document pieces, more than "
+                         f"the {seq_length} that cu_seqlens (seq_length + 1 entries) can list: its window is "
+                         "mostly empty documents, and megatron-core's GPTDataset fails on such a sample too; "
+                         "drop the empty documents from the store or serve without inter_document_masking")
+    if bad >= 0:
+        raise FormatError(f"{name(bad)} has {int(counts[bad])} document pieces ending at "
+                          f"{np.asarray(ends)[bad, :max(int(counts[bad]), 0)].tolist()[:8]}...; expected 1 to "
+                          f"{seq_length + int(add_extra_token)} pieces ending in order at column "
+                          f"{seq_length + int(add_extra_token)} or before (the index does not match its store)")
+    return cu_seqlens, max_seqlen, position_ids
+
+
+@jit(cache=True, nogil=True)
+def _document_fields_kernel(ends, counts, seq_length, add_extra_token, cu_seqlens, max_seqlen, position_ids):
+    """Fill the three outputs row by row (megatron-core's rules, the module docstring's); returns
+    -1, the first row whose pieces cannot be a sample's, or ``-2 - row`` for a row with more
+    documents than ``cu_seqlens`` has room for."""
+    for r in range(counts.shape[0]):
+        n = np.int64(counts[r])
+        if n < 1 or n > ends.shape[1]:
+            return r
+        last_end = np.int64(ends[r, n - 1])
+        if add_extra_token:  # the extra token belongs to no input position
+            last_end -= 1
+            previous = np.int64(ends[r, n - 2]) if n >= 2 else np.int64(0)
+            if last_end == previous:  # the last piece held only the extra token
+                n -= 1
+        if n > seq_length:
+            return -2 - r
+        if last_end > seq_length:
+            return r
+        cu_seqlens[r, 0] = 0
+        for j in range(n - 1):
+            end = np.int64(ends[r, j])
+            if end < cu_seqlens[r, j] or end > seq_length:
+                return r
+            cu_seqlens[r, j + 1] = end
+        n = max(n, np.int64(1))  # a sample of padding alone is one document of padding
+        for j in range(n, seq_length + 1):  # the last document ends at S: a short sample's padding joins it
+            cu_seqlens[r, j] = seq_length
+        longest = 0
+        for j in range(n):
+            start = np.int64(cu_seqlens[r, j])
+            stop = np.int64(cu_seqlens[r, j + 1])
+            longest = max(longest, stop - start)
+            for c in range(start, stop):
+                position_ids[r, c] = c - start
+        max_seqlen[r] = longest
+    return -1
+
+
+def _document_fields_numpy(ends, counts, seq_length, add_extra_token, cu_seqlens, max_seqlen,
+                           position_ids) -> int:
+    """:func:`_document_fields_kernel` in vectorised numpy (where numba is missing)."""
+    batch = counts.shape[0]
+    n = counts.astype(np.int64)  # (B,)
+    if batch == 0:
+        return -1
+    if n.min() < 1 or n.max() > ends.shape[1]:
+        return int(np.flatnonzero((n < 1) | (n > ends.shape[1]))[0])
+    width = int(n.max())
+    rows = np.arange(batch)
+    piece_ends = ends[:, :width].astype(np.int64)  # (B, width); columns >= n undefined
+    columns = np.arange(width)
+    last_end = piece_ends[rows, n - 1]
+    if add_extra_token:
+        last_end = last_end - 1
+        previous = np.where(n >= 2, piece_ends[rows, np.maximum(n - 2, 0)], 0)
+        n = n - (last_end == previous)
+    inner = columns[None, :] < (n - 1)[:, None]  # (B, width) the pieces before the last
+    ordered = np.diff(np.where(inner, piece_ends, 0), axis=1, prepend=0) >= 0
+    crowded = n > seq_length
+    bad = crowded | (last_end > seq_length) | (inner & ((piece_ends > seq_length) | ~ordered)).any(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        return -2 - first if crowded[first] else first
+    n = np.maximum(n, 1)
+    cu_seqlens[:] = seq_length
+    cu_seqlens[:, 0] = 0
+    k = min(width, seq_length)
+    cu_seqlens[:, 1:k + 1] = np.where(inner[:, :k], piece_ends[:, :k], seq_length)
+    max_seqlen[:] = np.diff(cu_seqlens[:, :k + 1], axis=1).max(axis=1)
+    # position = column - start of its document: mark each document's first column, carry it right
+    starts = np.zeros((batch, seq_length), dtype=np.int64)  # (B, S)
+    first_columns = cu_seqlens[:, :k].astype(np.int64)  # (B, k) starts of documents 0..k-1
+    valid = (columns[None, :k] < n[:, None]) & (first_columns < seq_length)
+    starts[np.nonzero(valid)[0], first_columns[valid]] = first_columns[valid]
+    np.maximum.accumulate(starts, axis=1, out=starts)
+    np.subtract(np.arange(seq_length, dtype=np.int64), starts, out=position_ids)
+    return -1
 
 
 def _eod_column(eod_ids, batch: int) -> np.ndarray:
@@ -158,4 +329,4 @@ def _reference_fields(row: np.ndarray, *, eod_id, pad_id: int, add_extra_token: 
     return out
 
 
-__all__ = ["FIELD_NAMES", "SampleOptions", "build_fields"]
+__all__ = ["BOUNDARY_FIELDS", "FIELD_NAMES", "SampleOptions", "build_fields", "document_fields"]

@@ -20,7 +20,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
-from tokenloom.serve.samples import SampleOptions
+from tokenloom.serve.samples import BOUNDARY_FIELDS, SampleOptions
 from tokenloom.serve.topology import LoadMode, Topology, context_parallel_positions
 from tokenloom.source import SampleSource
 
@@ -64,7 +64,7 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                                         f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
                         positions = context_parallel_positions(seq, topology.cp, cp_rank)
                         for name, value in group[0].items():
-                            if name == "dataset_id":
+                            if name == "dataset_id" or name in BOUNDARY_FIELDS:  # whole on every cp rank
                                 merged[name] = value
                                 continue
                             axis = 2 if name == "attention_mask" else 1

@@ -24,6 +24,7 @@ from enum import Enum
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.serve.samples import BOUNDARY_FIELDS
 from tokenloom.validate import is_integer
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -72,7 +73,8 @@ class RankPlan:
     coordinates: RankCoordinates
     """Where the rank sits."""
     fields: tuple[str, ...]
-    """Fields its pipeline stage consumes (empty for middle stages)."""
+    """Fields its pipeline stage consumes (empty for middle stages, unless they take the
+    document boundaries)."""
     loads: bool
     """Whether it reads samples from storage itself."""
     broadcast_source: int | None
@@ -136,20 +138,25 @@ class Topology:
             stride *= size
         return rank
 
-    def stage_fields(self, pp_rank: int) -> tuple[str, ...]:
-        """Fields pipeline stage ``pp_rank`` consumes: inputs on the first, targets on the last."""
+    def stage_fields(self, pp_rank: int, *, boundaries: bool = False) -> tuple[str, ...]:
+        """Fields pipeline stage ``pp_rank`` consumes: inputs on the first, targets on the last,
+        and with ``boundaries`` (``inter_document_masking``) the document boundaries on every
+        stage, since each stage's attention keeps to the documents (as Megatron-LM broadcasts
+        them to middle stages)."""
         out: tuple[str, ...] = ()
         if pp_rank == 0:
             out += INPUT_FIELDS
         if pp_rank == self.pp - 1:
             out += TARGET_FIELDS
+        if boundaries:
+            out += BOUNDARY_FIELDS
         return out
 
-    def plan(self, rank: int, mode: LoadMode | str = LoadMode.BROADCAST) -> RankPlan:
-        """What ``rank`` loads, receives, and keeps."""
+    def plan(self, rank: int, mode: LoadMode | str = LoadMode.BROADCAST, *, boundaries: bool = False) -> RankPlan:
+        """What ``rank`` loads, receives, and keeps (``boundaries``: see :meth:`stage_fields`)."""
         mode = LoadMode(mode)
         c = self.coordinates(rank)
-        fields = self.stage_fields(c.pp_rank)
+        fields = self.stage_fields(c.pp_rank, boundaries=boundaries)
         group = tuple(self.rank_of(dp_rank=c.dp_rank, tp_rank=t, pp_rank=c.pp_rank, cp_rank=c.cp_rank)
                       for t in range(self.tp))
         loads = bool(fields) and (mode is LoadMode.EVERY_RANK or c.tp_rank == 0)
@@ -212,13 +219,17 @@ def context_parallel_slice(fields: dict, cp_size: int, cp_rank: int) -> dict:
     """Every field cut to one context-parallel rank's positions along its sequence axis.
 
     tokens, labels, loss_mask, position_ids: ``(B, S) -> (B, S / cp)``; attention_mask
-    ``(B, 1, S, S) -> (B, 1, S / cp, S)`` (the rank's queries against every key). Numpy arrays
-    or torch tensors.
+    ``(B, 1, S, S) -> (B, 1, S / cp, S)`` (the rank's queries against every key); the
+    document boundaries (``cu_seqlens``, ``max_seqlen``) stay whole, as Megatron-LM's per-sequence
+    split leaves them. Numpy arrays or torch tensors.
     """
     if cp_size == 1:
         return dict(fields)
     out = {}
     for name, value in fields.items():
+        if name in BOUNDARY_FIELDS:  # they describe the whole sample
+            out[name] = value
+            continue
         seq_axis = 2 if name == "attention_mask" else 1
         positions = context_parallel_positions(value.shape[seq_axis], cp_size, cp_rank)
         if hasattr(value, "index_select"):  # torch

@@ -194,7 +194,7 @@ def build_dataloader(source: SampleSource, geometry: BatchGeometry, *, topology:
     rows; :class:`DistributedBatches` slices them back into micro-batches).
     """
     topology = topology or Topology(dp=geometry.dp)
-    plan = topology.plan(rank, mode)
+    plan = topology.plan(rank, mode, boundaries=options.inter_document_masking)
     if not plan.loads:
         raise ConfigError(f"rank {rank} ({plan.coordinates}) loads no data in mode {LoadMode(mode).value}; "
                           "middle pipeline stages and broadcast receivers need no DataLoader")

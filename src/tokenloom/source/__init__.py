@@ -19,7 +19,7 @@ the serving stage *consumes* them (through the :class:`SampleSource` protocol):
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, read_by_dataset
 from tokenloom.source.keys import build_key, canonical_json, hash_key
 from tokenloom.source.memory import MEGATRON_SURPLUS, StatelessBlendSource, StoreBlendSource
-from tokenloom.source.protocol import DatasetInfo, SampleSource, read_positions
+from tokenloom.source.protocol import DatasetInfo, PieceRows, SampleSource, read_positions
 from tokenloom.source.provenance import Piece, SampleOrigin, find, steps_of, where
 from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, gather_gpt_samples, resolve_eod
 
@@ -33,6 +33,7 @@ __all__ = [
     "DirectLocator",
     "MegatronReader",
     "Piece",
+    "PieceRows",
     "SampleOrigin",
     "SampleSource",
     "StatelessBlendSource",

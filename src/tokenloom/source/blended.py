@@ -28,7 +28,7 @@ from tokenloom.errors import ConfigError, PositionError
 from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
 from tokenloom.io.s3 import settings
-from tokenloom.source.protocol import DatasetInfo
+from tokenloom.source.protocol import DatasetInfo, PieceRows
 from tokenloom.source.readers import DatasetReader, resolve_eod
 from tokenloom.validate import check_positions
 
@@ -231,6 +231,21 @@ class BlendedSource:
         return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers,
                                width=self._seq_length + int(self._add_extra_token), fill=fill,
                                concurrently=self._remote)
+
+    def read_pieces(self, dataset_ids, sample_ids) -> PieceRows:
+        """The rows of :meth:`read_samples` and the document pieces of each, recorded by the same
+        gather (:class:`~tokenloom.source.protocol.PieceRows`)."""
+        width = self._seq_length + int(self._add_extra_token)
+        count = np.asarray(dataset_ids).shape[0]
+        ends = np.empty((count, width + 1), dtype=np.int32)  # (B, width + 1)
+        counts = np.empty(count, dtype=np.int32)  # (B,)
+
+        def fill(d: int, rows: np.ndarray, wanted: np.ndarray, out: np.ndarray) -> None:
+            self.readers[d].read_into(wanted, out, rows, backend=self.backend, ends=ends, counts=counts)
+
+        tokens = read_by_dataset(dataset_ids, sample_ids, datasets=self.readers, width=width, fill=fill,
+                                 concurrently=self._remote)
+        return PieceRows(tokens, ends, counts)
 
     def __getitem__(self, position: int) -> np.ndarray:
         """Tokens of one blend position (megatron-core's ``BlendedDataset[i]["text"]``)."""

@@ -10,6 +10,12 @@ Two backends, chosen from :data:`GATHER_BACKENDS` by :func:`gather_kernels` (ide
 A store on object storage has no memory map to compile against: both backends read it with the
 numpy path, whose ``read_spans`` fetches the blocks of a whole micro-batch at once.
 
+Asked for them (``ends``/``counts``), both also record each row's document pieces as they copy:
+``ends[r, j]`` is the column where piece ``j`` of row ``r`` ends (exclusive) and ``counts[r]`` the
+number of pieces, empty pieces included, as megatron-core's ``GPTDataset`` lists them. The
+boundary fields of a sample (``cu_seqlens``, per-document position ids) come from these, not from
+end-of-document tokens, at the cost of a few stores per piece inside the copy loop.
+
 A micro-batch is a few dozen spans of a few thousand tokens; what costs is the per-call
 overhead of a dozen small numpy operations, which the compiled loop removes.
 """
@@ -21,16 +27,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenloom.errors import FormatError
+from tokenloom.errors import FormatError, InputError
 from tokenloom.index.kernels import compiled, jit, numba_available, resolve_backend
 
 
 @jit(cache=True, nogil=True)
 def _gpt_rows_kernel(tokens, sequence_pointers, itemsize, sequence_lengths, document_index, sample_index,
-                     shuffle_index, sample_ids, extra, pad_id, out, out_rows):
-    """Fill ``out[out_rows[k]]`` with Megatron GPT sample ``sample_ids[k]``; returns -1, or the
-    first ``k`` whose spans would overrun the row (a corrupt index)."""
+                     shuffle_index, sample_ids, extra, pad_id, out, out_rows, want_pieces, ends, counts):
+    """Fill ``out[out_rows[k]]`` with Megatron GPT sample ``sample_ids[k]`` (and, with
+    ``want_pieces``, ``ends``/``counts`` of that row); returns -1, the first ``k`` whose spans
+    would overrun the row (a corrupt index), or ``-2 - k`` when row ``k`` has more pieces than
+    ``ends`` has columns."""
     width = out.shape[1]
+    capacity = ends.shape[1]
     for k in range(sample_ids.shape[0]):
         r = out_rows[k]
         row = np.int64(shuffle_index[sample_ids[k]])
@@ -49,6 +58,13 @@ def _gpt_rows_kernel(tokens, sequence_pointers, itemsize, sequence_lengths, docu
             for t in range(start, stop):
                 out[r, column] = tokens[base + t]
                 column += 1
+            if want_pieces:
+                piece = position - first
+                if piece >= capacity:
+                    return -2 - k
+                ends[r, piece] = column
+        if want_pieces:
+            counts[r] = last - first + 1
         for c in range(column, width):
             out[r, c] = pad_id
     return -1
@@ -56,9 +72,11 @@ def _gpt_rows_kernel(tokens, sequence_pointers, itemsize, sequence_lengths, docu
 
 @jit(cache=True, nogil=True)
 def _span_rows_kernel(tokens, sequence_pointers, itemsize, bounds, document_ids, offsets, lengths, pad_id, out,
-                      out_rows):
-    """Fill ``out[out_rows[k]]`` with the spans ``bounds[k]:bounds[k + 1]``; returns -1 or a bad k."""
+                      out_rows, want_pieces, ends, counts):
+    """Fill ``out[out_rows[k]]`` with the spans ``bounds[k]:bounds[k + 1]`` (and the row's
+    ``ends``/``counts``); returns -1, a bad k, or ``-2 - k`` as :func:`_gpt_rows_kernel`."""
     width = out.shape[1]
+    capacity = ends.shape[1]
     for k in range(bounds.shape[0] - 1):
         r = out_rows[k]
         column = 0
@@ -70,6 +88,12 @@ def _span_rows_kernel(tokens, sequence_pointers, itemsize, bounds, document_ids,
             for t in range(n):
                 out[r, column + t] = tokens[base + t]
             column += n
+            if want_pieces:
+                if piece - bounds[k] >= capacity:
+                    return -2 - k
+                ends[r, piece - bounds[k]] = column
+        if want_pieces:
+            counts[r] = bounds[k + 1] - bounds[k]
         for c in range(column, width):
             out[r, c] = pad_id
     return -1
@@ -99,26 +123,61 @@ def _prepared_gpt(indices, store) -> tuple:
     return entry
 
 
+_NO_ENDS = np.zeros((1, 1), dtype=np.int32)
+_NO_COUNTS = np.zeros(1, dtype=np.int32)
+
+
+def _too_many_pieces(prefix: str, sample: int, capacity: int) -> InputError:
+    return InputError(
+        f"{prefix}: sample {sample} holds more than {capacity} document pieces, more than a row of its "
+        f"length can list (megatron-core's cu_seqlens has seq_length + 1 entries): its window is mostly "
+        "empty documents. megatron-core's GPTDataset fails on this sample too; drop the empty documents "
+        "from the store (tokenloom tokenize writes none) or serve without inter_document_masking")
+
+
 def gpt_rows_numba(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
-                   out_rows: np.ndarray) -> None:
+                   out_rows: np.ndarray, ends: np.ndarray | None = None, counts: np.ndarray | None = None) -> None:
     if getattr(store, "is_remote", False):  # remote: read_spans fetches a batch's blocks at once
-        gpt_rows_numpy(indices, store, sample_ids, pad_id, out, out_rows)
+        gpt_rows_numpy(indices, store, sample_ids, pad_id, out, out_rows, ends, counts)
         return
     _, _, arrays, extra = _prepared_gpt(indices, store)
-    bad = compiled(_gpt_rows_kernel)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows)
+    want = ends is not None
+    bad = compiled(_gpt_rows_kernel)(*arrays, sample_ids, extra, np.int64(pad_id), out, out_rows, want,
+                                     ends if want else _NO_ENDS, counts if want else _NO_COUNTS)
+    if bad <= -2:
+        raise _too_many_pieces(store.prefix, int(sample_ids[-2 - bad]), ends.shape[1])
     if bad >= 0:
         raise FormatError(f"{store.prefix}: sample {int(sample_ids[bad])} of the index runs outside its documents "
                           "or past seq_length; the index does not belong to this store")
 
 
 def gpt_rows_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray,
-                   out_rows: np.ndarray) -> None:
+                   out_rows: np.ndarray, ends: np.ndarray | None = None, counts: np.ndarray | None = None) -> None:
     block = np.empty((sample_ids.shape[0], out.shape[1]), dtype=np.int64)
-    _gpt_block_numpy(indices, store, sample_ids, pad_id, block)
+    pieces = _gpt_block_numpy(indices, store, sample_ids, pad_id, block)
     out[out_rows] = block
+    if ends is not None:
+        _piece_ends_numpy(store.prefix, sample_ids, *pieces, ends, counts, out_rows)
 
 
-def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: np.ndarray) -> None:
+def _piece_ends_numpy(prefix: str, sample_ids: np.ndarray, bounds: np.ndarray, lengths: np.ndarray,
+                      ends: np.ndarray, counts: np.ndarray, out_rows: np.ndarray) -> None:
+    """``ends[out_rows[k]]``/``counts[out_rows[k]]`` of the pieces ``bounds[k]:bounds[k + 1]``."""
+    per_row = np.diff(bounds)  # (B,) pieces of each row
+    if per_row.size and per_row.max() > ends.shape[1]:
+        raise _too_many_pieces(prefix, int(sample_ids[int(np.argmax(per_row > ends.shape[1]))]), ends.shape[1])
+    row_of_piece = np.repeat(np.arange(per_row.shape[0]), per_row)  # (P,)
+    cumulative = np.cumsum(lengths)  # (P,) tokens up to each piece's end, over all rows
+    before_row = np.concatenate([[0], cumulative])[bounds[:-1]]  # (B,) tokens of the rows before
+    column = np.arange(lengths.shape[0]) - bounds[:-1][row_of_piece]  # (P,) piece number in its row
+    ends[out_rows[row_of_piece], column] = cumulative - before_row[row_of_piece]
+    counts[out_rows] = per_row
+
+
+def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int,
+                     out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fill ``out`` (one row per sample) and return the pieces read: ``(bounds, lengths)``,
+    sample ``k``'s pieces being ``lengths[bounds[k]:bounds[k + 1]]``."""
     num_rows, width = out.shape
     extra = int(indices.plan.add_extra_token)
     rows = indices.shuffle_index[sample_ids].astype(np.int64)  # (B,)
@@ -145,23 +204,36 @@ def _gpt_block_numpy(indices, store, sample_ids: np.ndarray, pad_id: int, out: n
         row_of_token = np.repeat(np.arange(num_rows), per_row)
         column = np.arange(tokens.shape[0]) - np.repeat(np.cumsum(per_row) - per_row, per_row)
         out[row_of_token, column] = tokens
+    return np.concatenate([[0], np.cumsum(num_parts)]), lengths
 
 
-def span_rows_numba(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
+def span_rows_numba(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray,
+                    ends: np.ndarray | None = None, counts: np.ndarray | None = None,
+                    sample_ids: np.ndarray | None = None) -> None:
     if getattr(store, "is_remote", False):
-        span_rows_numpy(store, spans, pad_id, out, out_rows)
+        span_rows_numpy(store, spans, pad_id, out, out_rows, ends, counts, sample_ids)
         return
+    want = ends is not None
     bad = compiled(_span_rows_kernel)(
         _plain(store.tokens), _plain(store.sequence_pointers), np.int64(store.itemsize), spans.bounds,
-        spans.document_ids, spans.offsets, spans.lengths, np.int64(pad_id), out, out_rows)
+        spans.document_ids, spans.offsets, spans.lengths, np.int64(pad_id), out, out_rows, want,
+        ends if want else _NO_ENDS, counts if want else _NO_COUNTS)
+    if bad <= -2:
+        k = -2 - bad
+        raise _too_many_pieces(store.prefix, k if sample_ids is None else int(sample_ids[k]), ends.shape[1])
     if bad >= 0:
         raise FormatError(f"{store.prefix}: sample row {bad} has more tokens than seq_length + extra")
 
 
-def span_rows_numpy(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray) -> None:
+def span_rows_numpy(store, spans, pad_id: int, out: np.ndarray, out_rows: np.ndarray,
+                    ends: np.ndarray | None = None, counts: np.ndarray | None = None,
+                    sample_ids: np.ndarray | None = None) -> None:
     block = np.empty((out_rows.shape[0], out.shape[1]), dtype=np.int64)
     _span_block_numpy(store, spans, pad_id, block)
     out[out_rows] = block
+    if ends is not None:
+        named = np.arange(out_rows.shape[0]) if sample_ids is None else sample_ids
+        _piece_ends_numpy(store.prefix, named, spans.bounds, spans.lengths, ends, counts, out_rows)
 
 
 def _span_block_numpy(store, spans, pad_id: int, out: np.ndarray) -> None:
@@ -182,10 +254,12 @@ class GatherKernels(NamedTuple):
     """One backend's gathers; both fill ``out[out_rows[k]]`` with sample ``k`` (int64 rows)."""
 
     gpt_rows: Callable[..., None]
-    """``(indices, store, sample_ids, pad_id, out, out_rows)``: Megatron GPT index samples."""
+    """``(indices, store, sample_ids, pad_id, out, out_rows, ends=None, counts=None)``: Megatron
+    GPT index samples (and their document pieces when ``ends``/``counts`` are given)."""
     span_rows: Callable[..., None]
-    """``(store, spans, pad_id, out, out_rows)``: the pieces of stateless samples
-    (:class:`~tokenloom.index.stateless.SampleSpans`)."""
+    """``(store, spans, pad_id, out, out_rows, ends=None, counts=None, sample_ids=None)``: the
+    pieces of stateless samples (:class:`~tokenloom.index.stateless.SampleSpans`; ``sample_ids``
+    only name a sample in an error)."""
 
 
 GATHER_BACKENDS: dict[str, GatherKernels] = {"numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy)}

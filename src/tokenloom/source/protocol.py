@@ -5,7 +5,10 @@ dataset of the blend. Serving asks it two things, both vectorised over many posi
 
 * :meth:`SampleSource.locate` -- which dataset, and which sample of that dataset, sits at each
   global position of the blend;
-* :meth:`SampleSource.read_samples` -- the tokens of many (dataset, sample) pairs, one row each.
+* :meth:`SampleSource.read_samples` -- the tokens of many (dataset, sample) pairs, one row each;
+* ``read_pieces`` (optional) -- the same rows plus where each document piece of a row ends
+  (:class:`PieceRows`), for the document-boundary fields (``inter_document_masking``). A source
+  without it serves every field but those.
 
 ``tokenloom.build(...).split(name)`` returns an object with this interface, as do
 ``StoreBlendSource`` and ``StatelessBlendSource`` (:mod:`tokenloom.source.memory`), which build
@@ -15,7 +18,7 @@ one split in memory from token stores; all three are :class:`~tokenloom.source.b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -39,6 +42,23 @@ class DatasetInfo:
     budget_tokens: int | None = None
     """Training tokens the build config gave the dataset (a token or epoch budget); None when
     the blend gave weights. The audit reports realised tokens against it."""
+
+
+class PieceRows(NamedTuple):
+    """Token rows and the document pieces each row holds, read in one pass.
+
+    Row ``k`` holds ``counts[k]`` pieces (the documents megatron-core's ``GPTDataset`` reads for
+    the sample, empty ones included); piece ``j`` covers columns ``[ends[k, j - 1], ends[k, j])``
+    of the row (``ends[k, -1]`` read as 0). Columns after the last piece are padding.
+    """
+
+    tokens: np.ndarray
+    """(B, seq_length + add_extra_token) int64, as :meth:`SampleSource.read_samples` returns."""
+    ends: np.ndarray
+    """(B, seq_length + add_extra_token + 1) int32: each piece's exclusive end column; entries
+    from ``counts[k]`` on are undefined."""
+    counts: np.ndarray
+    """(B,) int32: pieces in each row (at least 1)."""
 
 
 @runtime_checkable
@@ -82,4 +102,4 @@ def read_positions(source: SampleSource, positions) -> np.ndarray:
     return source.read_samples(*source.locate(np.asarray(positions, dtype=np.int64)))
 
 
-__all__ = ["DatasetInfo", "SampleSource", "read_positions"]
+__all__ = ["DatasetInfo", "PieceRows", "SampleSource", "read_positions"]

@@ -44,14 +44,16 @@ def resolve_eod(store: IndexedDataset, eod_id: int | None) -> int | None:
 
 def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: np.ndarray, *,
                        pad_id: int = PAD_TOKEN_ID, backend: str | None = None, out: np.ndarray | None = None,
-                       out_rows: np.ndarray | None = None) -> np.ndarray:
+                       out_rows: np.ndarray | None = None, ends: np.ndarray | None = None,
+                       counts: np.ndarray | None = None) -> np.ndarray:
     """Tokens of many samples of one Megatron GPT index, copied in one call.
 
     Row ``k`` equals ``megatron_gpt_sample(indices, store, sample_ids[k]).tokens``: the
     ``seq_length + add_extra_token`` tokens, a short last sample padded with ``pad_id``.
     ``backend``: a key of ``tokenloom.source.gather.GATHER_BACKENDS`` (default: numba when
     installed, else numpy; identical results). With ``out`` and ``out_rows``, row ``k`` goes to
-    ``out[out_rows[k]]`` instead (no intermediate block).
+    ``out[out_rows[k]]`` instead (no intermediate block). With ``ends`` and ``counts`` the rows'
+    document pieces are recorded too (:mod:`tokenloom.source.gather`).
     """
     sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
     if out is None:
@@ -59,7 +61,7 @@ def gather_gpt_samples(indices: GPTIndices, store: IndexedDataset, sample_ids: n
         out_rows = np.arange(sample_ids.shape[0], dtype=np.int64)
     if sample_ids.shape[0]:
         gather_kernels(backend).gpt_rows(indices, store, sample_ids, pad_id, out,
-                                                           np.ascontiguousarray(out_rows, dtype=np.int64))
+                                         np.ascontiguousarray(out_rows, dtype=np.int64), ends, counts)
     return out
 
 
@@ -170,8 +172,11 @@ class DatasetReader:
         return bool(getattr(self._store, "is_remote", False))
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
-                  backend: str | None = None) -> None:
-        """Write sample ``sample_ids[k]`` (served order) into ``out[out_rows[k]]``."""
+                  backend: str | None = None, ends: np.ndarray | None = None,
+                  counts: np.ndarray | None = None) -> None:
+        """Write sample ``sample_ids[k]`` (served order) into ``out[out_rows[k]]``; with ``ends``
+        and ``counts``, also where each of its document pieces ends in the row
+        (``ends[out_rows[k], :counts[out_rows[k]]]``, :class:`~tokenloom.source.protocol.PieceRows`)."""
         raise NotImplementedError
 
     def spans(self, sample_ids) -> SampleSpans:
@@ -200,9 +205,10 @@ class MegatronReader(DatasetReader):
         """Fills the short last sample a validation split keeps (``drop_last_partial=False``)."""
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
-                  backend: str | None = None) -> None:
+                  backend: str | None = None, ends: np.ndarray | None = None,
+                  counts: np.ndarray | None = None) -> None:
         gather_gpt_samples(self.indices, self.store, sample_ids, pad_id=self.pad_id, backend=backend, out=out,
-                           out_rows=out_rows)
+                           out_rows=out_rows, ends=ends, counts=counts)
 
     def spans(self, sample_ids) -> SampleSpans:
         # the pieces megatron-core's GPTDataset reads: from the first position's offset to the
@@ -234,10 +240,12 @@ class StatelessReader(DatasetReader):
         super().__init__(name=name, store=store, indices=indices, key=key, prefix=prefix, num_samples=num_samples)
 
     def read_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
-                  backend: str | None = None) -> None:
-        spans = self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
-        gather_kernels(backend).span_rows(self.store, spans, -1, out,
-                                                            np.ascontiguousarray(out_rows, dtype=np.int64))
+                  backend: str | None = None, ends: np.ndarray | None = None,
+                  counts: np.ndarray | None = None) -> None:
+        sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
+        spans = self.indices.spans(sample_ids)
+        gather_kernels(backend).span_rows(self.store, spans, -1, out, np.ascontiguousarray(out_rows, dtype=np.int64),
+                                          ends, counts, sample_ids)
 
     def spans(self, sample_ids) -> SampleSpans:
         return self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
