@@ -384,3 +384,109 @@ def test_a_simulated_dp_tp_pp_cp_job_serves_the_one_process_boundaries(tmp_path)
         assert sorted(batch) == sorted(expected)
         for name, value in expected.items():
             np.testing.assert_array_equal(batch[name], value, err_msg=f"step {step} {name}")
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seq_length=st.integers(2, 40), micro=st.integers(1, 5), seed=st.integers(0, 2**31),
+       corpus_seed=st.integers(0, 1000), extra=st.booleans(), empty_rate=st.sampled_from([0.0, 0.2]))
+def test_packed_thd_equals_megatron_cores_flattened_batch(tmp_path_factory, seq_length, micro, seed, corpus_seed,
+                                                          extra, empty_rate):
+    """boundary_format='thd': each micro-batch's cu_seqlens and max_seqlen are what megatron-core's
+    flatten_batch_for_packed_sequences makes of its own collated samples (numpy and torch paths)."""
+    torch = pytest.importorskip("torch")
+    from megatron.core.utils import flatten_batch_for_packed_sequences
+
+    from tokenloom.serve.batch import pack_documents
+
+    directory = tmp_path_factory.mktemp("thd")
+    prefixes = _corpus(directory, 2, seed=corpus_seed, max_length=50, empty_rate=empty_rate)
+    theirs = megatron_blended(prefixes, [0.5, 0.5], num_samples=40, seq_length=seq_length, seed=seed,
+                              cache_dir=directory / "cache", create_attention_mask=False, add_extra_token=extra,
+                              inter_document_masking=True)
+    source = StoreBlendSource.from_prefixes(prefixes, [0.5, 0.5], num_samples=40, seq_length=seq_length, seed=seed,
+                                            add_extra_token=extra)
+    thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
+    stream = SampleStream(source)
+    for begin in range(0, len(theirs) - micro + 1, micro):
+        try:
+            samples = [theirs[i] for i in range(begin, begin + micro)]
+        except RuntimeError:  # a sample with more documents than cu_seqlens can list (see above)
+            continue
+        collated = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        flat = flatten_batch_for_packed_sequences(collated)
+        ours = read_batch(stream, np.arange(begin, begin + micro), thd)
+        assert ours["cu_seqlens"].dtype == np.int32 and ours["max_seqlen"].dtype == np.int32
+        np.testing.assert_array_equal(ours["cu_seqlens"], flat["cu_seqlens"][0].numpy())
+        assert ours["max_seqlen"].shape == () and int(ours["max_seqlen"]) == int(flat["max_seqlen"][0])
+        np.testing.assert_array_equal(ours["tokens"].reshape(1, -1), flat["tokens"].numpy())
+        per_sample = read_batch(stream, np.arange(begin, begin + micro), MASKING)
+        on_torch = pack_documents({k: torch.from_numpy(v) for k, v in per_sample.items()}, seq_length)
+        np.testing.assert_array_equal(on_torch["cu_seqlens"].numpy(), ours["cu_seqlens"])
+        assert on_torch["cu_seqlens"].dtype == torch.int32 and int(on_torch["max_seqlen"]) == int(ours["max_seqlen"])
+
+
+def _segments_reference(lengths, seq_length: int, add_extra_token: bool) -> np.ndarray:
+    """MaxText's segment ids of one sample: its documents with input tokens numbered from 1 (by
+    megatron-core's pieces), 0 on the padding past the row's tokens."""
+    cu, _, _ = _reference_boundaries(lengths, seq_length, add_extra_token)
+    segments = np.zeros(seq_length, dtype=np.int32)
+    number = 0
+    for start, stop in itertools.pairwise(cu):
+        if stop > start:
+            number += 1
+            segments[start:stop] = number
+    segments[sum(int(n) for n in lengths):] = 0
+    return segments
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(seq_length=st.integers(1, 40), seed=st.integers(0, 2**31), extra=st.booleans(),
+       empty_rate=st.sampled_from([0.0, 0.2]), keep_partial=st.booleans(), data=st.data())
+def test_segment_ids_and_document_ids_number_the_documents(tmp_path_factory, seq_length, seed, extra, empty_rate,
+                                                           keep_partial, data):
+    """inputs_segmentation / document_ids: the sample's non-empty documents from 1, 0 on padding
+    (the valid split's short last sample); inputs_position restarts per document. Both backends."""
+    directory = tmp_path_factory.mktemp("segments")
+    prefixes = _corpus(directory, 2, seed=seed % 997, max_length=40, empty_rate=empty_rate)
+    source = StoreBlendSource.from_prefixes(prefixes, [0.5, 0.5], num_samples=30, seq_length=seq_length, seed=seed,
+                                            add_extra_token=extra, split="6,4,0", split_name="valid",
+                                            drop_last_partial=not keep_partial)
+    positions = np.array(data.draw(st.lists(st.integers(0, source.num_samples - 1), min_size=1, max_size=10)))
+    segments = SampleOptions(inter_document_masking=True, boundary_format="segments")
+    thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
+    dataset_ids, sample_ids = source.locate(positions)
+    for backend in ("numba", "numpy"):
+        source.backend = backend
+        try:
+            jax_fields = BatchPipeline(source, options=segments).read(dataset_ids, sample_ids)
+        except InputError:  # more documents than cu_seqlens can list
+            continue
+        torch_fields = BatchPipeline(source, options=thd).read_samples_fields(dataset_ids, sample_ids)
+        assert sorted(jax_fields) == ["dataset_id", "inputs_position", "inputs_segmentation", "labels", "loss_mask",
+                                      "position_ids", "tokens"]
+        for k in range(positions.shape[0]):
+            spans = source.readers[int(dataset_ids[k])].spans(sample_ids[k:k + 1])
+            expected = _segments_reference(spans.lengths, seq_length, extra)
+            np.testing.assert_array_equal(jax_fields["inputs_segmentation"][k], expected)
+            np.testing.assert_array_equal(torch_fields["document_ids"][k], expected)
+            positions_expected = _reference_boundaries(spans.lengths, seq_length, extra)[2]
+            np.testing.assert_array_equal(jax_fields["inputs_position"][k], positions_expected)
+            assert jax_fields["inputs_segmentation"].dtype == np.int32 == jax_fields["inputs_position"].dtype
+
+
+def test_boundary_formats_are_checked_and_thd_is_refused_where_rows_are_assembled():
+    from tokenloom.serve import simulate_job
+    from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
+
+    with pytest.raises(ConfigError, match="boundary_format='packed'; expected one of"):
+        SampleOptions(inter_document_masking=True, boundary_format="packed")
+    with pytest.raises(ConfigError, match="needs inter_document_masking=True"):
+        SampleOptions(boundary_format="thd")
+    thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
+    assert thd.field_names[-3:] == ("cu_seqlens", "max_seqlen", "document_ids")
+    with pytest.raises(ConfigError, match="boundary_format='segments'"):
+        HostLoader(None, global_batch_size=8, shard=ShardOptions(shard_index=0, shard_count=1), options=thd)
+    with pytest.raises(ConfigError, match="simulate with boundary_format='megatron'"):
+        simulate_job(None, None, Topology(dp=1), num_steps=1, options=thd)

@@ -95,8 +95,9 @@ def _free_port() -> int:
 
 def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
     """4 gloo ranks (tp=2, pp=2) launched by torchrun; tensor peers end up with equal tensors,
-    equal to what one process reads, in both load modes, and with the document boundaries
-    (int32 cu_seqlens and max_seqlen broadcast to the peers of both stages)."""
+    equal to what one process reads, in both load modes, and with the document boundaries (the
+    per-sample int32 cu_seqlens broadcast to the peers of both stages, then packed per micro-batch
+    on every rank)."""
     out = tmp_path / "out"
     out.mkdir()
     config = {"prefixes": [d.name for d in source.datasets], "weights": [0.6, 0.4], "num_samples": 400,
@@ -118,11 +119,13 @@ def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
         assert [r["fingerprint"] for r in logged] == [r["fingerprint"] for r in expected_audit.records]
     for mode, rank in ((m, r) for m in ("broadcast", "every_rank", "documents") for r in range(4)):
         got = np.load(out / f"{mode}-rank{rank}.npz")
-        options = SampleOptions(inter_document_masking=mode == "documents")
+        options = (SampleOptions(inter_document_masking=True, boundary_format="thd") if mode == "documents"
+                   else SampleOptions())
         expected = list(RankLoader(source, geometry, topology=topology, rank=topology.rank_of(
             pp_rank=topology.coordinates(rank).pp_rank), max_steps=3, options=options))
         if mode == "documents":
-            assert {"cu_seqlens", "max_seqlen"} <= set(expected[0])
+            assert {"cu_seqlens", "max_seqlen", "document_ids"} <= set(expected[0])
+            assert expected[0]["cu_seqlens"].ndim == 1 and expected[0]["max_seqlen"].ndim == 0
         names = sorted({k.split("/")[1] for k in got.files})
         assert names == sorted(expected[0])
         for n, batch in enumerate(expected):

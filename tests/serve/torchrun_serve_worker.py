@@ -1,5 +1,6 @@
 """Run by test_serve_torch.py under torchrun: one rank of a tp=2 x pp=2 job saves what it got
-(tensor rank 0 broadcasting, every rank loading, and broadcasting the document boundaries)."""
+(tensor rank 0 broadcasting, every rank loading, and broadcasting the document boundaries, which
+every rank then packs per micro-batch)."""
 
 import json
 import sys
@@ -22,7 +23,7 @@ def main() -> None:
                                                 seq_length=config["seq_length"], seed=config["seed"])
         geometry = BatchGeometry(global_batch_size=4, micro_batch_size=2, dp=1)
         group = tensor_parallel_group(topology, rank)
-        documents = SampleOptions(inter_document_masking=True)
+        documents = SampleOptions(inter_document_masking=True, boundary_format="thd")
         for name, mode, workers, options in (("broadcast", "broadcast", 1, SampleOptions()),
                                              ("every_rank", "every_rank", 0, SampleOptions()),
                                              ("documents", "broadcast", 1, documents)):

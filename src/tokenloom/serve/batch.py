@@ -13,7 +13,18 @@ on top of it), the PyTorch ``ServeDataset`` -- turns a micro-batch into numpy fi
 4. cuts the context-parallel rank's two sequence chunks
    (:func:`~tokenloom.serve.topology.context_parallel_slice`; ``cu_seqlens`` and ``max_seqlen``
    describe the whole sample and stay whole, as Megatron-LM leaves them);
-5. adds ``dataset_id``, ``(B,)`` in megatron-core's dtype (int16, int32 beyond 32766 datasets).
+5. adds ``dataset_id``, ``(B,)`` in megatron-core's dtype (int16, int32 beyond 32766 datasets);
+6. with ``boundary_format="thd"``, packs the micro-batch's per-sample boundaries into one sequence
+   (:func:`pack_documents`): the only step whose output length varies from one micro-batch to the
+   next.
+
+Steps 1-5 give fixed shapes per sample (:meth:`BatchPipeline.read_samples_fields`): that is what
+crosses process boundaries (DataLoader workers reading a whole step, the tensor-parallel
+broadcast) and what :meth:`BatchPipeline.schema` describes. Step 6 (:meth:`BatchPipeline.finish`)
+runs where a micro-batch is final, on numpy arrays or on torch tensors on the device, so a tensor
+peer rebuilds the packed boundaries from the broadcast ``(B, S + 1)`` ones instead of receiving a
+field whose length it cannot know in advance: one fixed-shape broadcast per field, no size
+handshake.
 
 :meth:`BatchPipeline.schema` is the shape and dtype of every field of a micro-batch (what a
 tensor-parallel broadcast receiver allocates). It is not a table kept beside the code: it runs
@@ -68,7 +79,17 @@ class BatchPipeline:
             check_pieces(source)
 
     def read(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
-        """Every field of the samples ``(dataset_ids[k], sample_ids[k])``; see the module docstring."""
+        """Every field of the micro-batch of samples ``(dataset_ids[k], sample_ids[k])``; see the
+        module docstring (steps 1-6)."""
+        return self.finish(self.read_samples_fields(dataset_ids, sample_ids))
+
+    def finish(self, fields: dict) -> dict:
+        """Step 6 on one micro-batch's fields: :func:`finish_micro_batch`."""
+        return finish_micro_batch(fields, self.options, self.source.seq_length)
+
+    def read_samples_fields(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
+        """Steps 1-5: every field of the samples ``(dataset_ids[k], sample_ids[k])``, per sample
+        (fixed shapes, any number of micro-batches at once)."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
         if self.options.inter_document_masking:
             sample_ids = np.asarray(sample_ids, dtype=np.int64)
@@ -97,9 +118,9 @@ class BatchPipeline:
         return out
 
     def schema(self, micro_batch_size: int) -> dict[str, FieldSpec]:
-        """Name -> :class:`FieldSpec` of every field :meth:`read` returns for ``micro_batch_size``
-        samples, in the same order: :meth:`from_rows` on one synthetic row, its first axis set
-        to ``micro_batch_size``."""
+        """Name -> :class:`FieldSpec` of every field :meth:`read_samples_fields` returns for
+        ``micro_batch_size`` samples (what crosses a process boundary), in the same order:
+        :meth:`from_rows` on one synthetic row, its first axis set to ``micro_batch_size``."""
         if not is_integer(micro_batch_size) or micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
         width = self.source.seq_length + int(self.source.add_extra_token)
@@ -124,6 +145,49 @@ def field_schema(source: SampleSource, micro_batch_size: int, *, options: Sample
     return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size)
 
 
+def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int) -> dict:
+    """Step 6 on one micro-batch's per-sample fields (numpy arrays or torch tensors): with
+    ``boundary_format="thd"`` the packed boundaries (:func:`pack_documents`); else unchanged."""
+    if options.inter_document_masking and options.boundary_format == "thd":
+        return pack_documents(fields, seq_length)
+    return fields
+
+
+def pack_documents(fields: dict, seq_length: int) -> dict:
+    """One micro-batch's per-sample boundaries as one packed (THD) sequence, what FlashAttention's
+    varlen functions and Transformer Engine's ``PackedSeqParams(qkv_format="thd")`` take for the
+    micro-batch's tokens laid end to end (``tokens.reshape(1, -1)``).
+
+    ``cu_seqlens`` ``(B, S + 1)`` -> ``(D + 1,)`` int32: 0, then each sample's document ends
+    (megatron-core's padding to ``S + 1`` removed) shifted by ``k * S`` for sample ``k``;
+    ``max_seqlen`` ``(B,)`` -> a 0-d int32, the longest document. This is megatron-core's own
+    ``flatten_batch_for_packed_sequences`` (which Megatron-LM's ``get_batch`` applies) without its
+    leading axis of 1. Other fields are unchanged. Numpy arrays or torch tensors (on any device).
+    """
+    cu_seqlens = fields["cu_seqlens"]  # (B, S + 1)
+    out = dict(fields)
+    if hasattr(cu_seqlens, "index_select"):  # torch
+        import torch
+
+        last = (cu_seqlens == seq_length).to(torch.int32).argmax(dim=1)  # (B,) where each sample's S is
+        columns = torch.arange(cu_seqlens.shape[1], device=cu_seqlens.device)
+        shift = torch.arange(cu_seqlens.shape[0], device=cu_seqlens.device, dtype=cu_seqlens.dtype) * seq_length
+        keep = (columns[None, :] >= 1) & (columns[None, :] <= last[:, None])  # (B, S + 1)
+        out["cu_seqlens"] = torch.cat([cu_seqlens.new_zeros(1), (cu_seqlens + shift[:, None])[keep]])
+        out["max_seqlen"] = fields["max_seqlen"].max()
+        return out
+    last = np.argmax(cu_seqlens == seq_length, axis=1)  # (B,)
+    columns = np.arange(cu_seqlens.shape[1])
+    shift = (np.arange(cu_seqlens.shape[0], dtype=np.int64) * seq_length)[:, None]
+    keep = (columns[None, :] >= 1) & (columns[None, :] <= last[:, None])  # (B, S + 1)
+    packed = np.empty(int(keep.sum()) + 1, dtype=np.int32)  # (D + 1,)
+    packed[0] = 0
+    packed[1:] = (cu_seqlens + shift)[keep]
+    out["cu_seqlens"] = packed
+    out["max_seqlen"] = np.array(np.asarray(fields["max_seqlen"]).max(), dtype=np.int32)  # 0-d
+    return out
+
+
 def check_pieces(source: SampleSource) -> None:
     """ConfigError when ``source`` cannot say where its samples' documents end (it has no
     ``read_pieces``), which ``inter_document_masking`` needs."""
@@ -145,4 +209,5 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
             "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
 
 
-__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "read_fields"]
+__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "finish_micro_batch",
+           "pack_documents", "read_fields"]

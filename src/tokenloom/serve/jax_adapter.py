@@ -66,11 +66,18 @@ class ShardOptions:
 class HostLoader:
     """This process's rows of every global batch, as dicts of numpy arrays: a
     :class:`~tokenloom.serve.loader.RankLoader` with one data-parallel rank per process, so the
-    fields come from serve's one batch pipeline (:class:`~tokenloom.serve.batch.BatchPipeline`)."""
+    fields come from serve's one batch pipeline (:class:`~tokenloom.serve.batch.BatchPipeline`).
+    For attention inside documents, MaxText's packed-input fields:
+    ``SampleOptions(inter_document_masking=True, boundary_format="segments")``."""
 
     def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
                  max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:
         self.shard = ShardOptions.of(shard)
+        if options.inter_document_masking and options.boundary_format == "thd":
+            raise ConfigError("SampleOptions(boundary_format='thd') packs a micro-batch into one sequence whose "
+                              "length varies, which no global jax.Array of rows can hold; expected "
+                              "boundary_format='segments' (MaxText's inputs_segmentation and inputs_position) or "
+                              "'megatron'")
         count = self.shard.shard_count
         if not is_integer(global_batch_size) or global_batch_size % count:
             raise ConfigError(f"global_batch_size={global_batch_size!r} is not a multiple of shard_count={count}; "

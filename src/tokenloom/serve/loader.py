@@ -61,7 +61,7 @@ class RankSchedule:
                               "expected the same data-parallel size")
         self.topology = topology
         self.mode = LoadMode(mode)
-        self.plan: RankPlan = topology.plan(rank, self.mode, boundaries=options.inter_document_masking)
+        self.plan: RankPlan = topology.plan(rank, self.mode, boundaries=options.boundary_fields)
         self.options = options
         self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank,
                                          max_steps=max_steps)

@@ -43,8 +43,18 @@ from tokenloom.errors import ConfigError, FormatError, InputError
 from tokenloom.index.kernels import compiled, jit, numba_available
 
 FIELD_NAMES = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-BOUNDARY_FIELDS = ("cu_seqlens", "max_seqlen")
-"""The document-boundary fields ``inter_document_masking`` adds (megatron-core's names)."""
+BOUNDARY_FORMATS = {
+    "megatron": ("cu_seqlens", "max_seqlen"),
+    "thd": ("cu_seqlens", "max_seqlen", "document_ids"),
+    "segments": ("inputs_segmentation", "inputs_position"),
+}
+"""``SampleOptions.boundary_format`` -> the document-boundary fields it adds, named as the consumer
+names them: megatron-core's per-sample ``cu_seqlens``/``max_seqlen``; packed THD for
+FlashAttention's varlen functions and Transformer Engine (one ``cu_seqlens``/``max_seqlen`` per
+micro-batch, :func:`tokenloom.serve.batch.pack_documents`) plus a per-token ``document_ids`` for
+FlexAttention's block mask; MaxText's ``inputs_segmentation``/``inputs_position``."""
+SAMPLE_WIDE_FIELDS = ("cu_seqlens", "max_seqlen")
+"""Boundary fields that describe a whole sample, not one token: never cut along the sequence."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,11 +80,23 @@ class SampleOptions:
     position ids per document, from the index's document pieces, so that attention can stay
     inside each document (megatron-core's ``GPTDatasetConfig.inter_document_masking``)."""
 
+    boundary_format: str = "megatron"
+    """The form of the boundaries with ``inter_document_masking`` (:data:`BOUNDARY_FORMATS`):
+    ``"megatron"`` (megatron-core's per-sample fields), ``"thd"`` (packed per micro-batch, for
+    FlashAttention / Transformer Engine, plus ``document_ids`` for FlexAttention) or
+    ``"segments"`` (MaxText's segment ids and positions)."""
+
     def __post_init__(self) -> None:
         for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "create_attention_mask",
                      "inter_document_masking"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SampleOptions.{name}={getattr(self, name)!r}; expected True or False")
+        if self.boundary_format not in BOUNDARY_FORMATS:
+            raise ConfigError(f"SampleOptions.boundary_format={self.boundary_format!r}; expected one of "
+                              f"{sorted(BOUNDARY_FORMATS)}")
+        if self.boundary_format != "megatron" and not self.inter_document_masking:
+            raise ConfigError(f"SampleOptions(boundary_format={self.boundary_format!r}, "
+                              "inter_document_masking=False); a boundary format needs inter_document_masking=True")
         if self.inter_document_masking and self.create_attention_mask:
             raise ConfigError(
                 "SampleOptions(inter_document_masking=True, create_attention_mask=True); expected one of them: "
@@ -83,10 +105,15 @@ class SampleOptions:
                 "the boundaries instead of an S x S mask")
 
     @property
+    def boundary_fields(self) -> tuple[str, ...]:
+        """The document-boundary fields these options add (none without inter_document_masking)."""
+        return BOUNDARY_FORMATS[self.boundary_format] if self.inter_document_masking else ()
+
+    @property
     def field_names(self) -> tuple[str, ...]:
         """The fields a sample carries, in megatron-core's order."""
         if self.inter_document_masking:
-            return FIELD_NAMES[:4] + BOUNDARY_FIELDS
+            return FIELD_NAMES[:4] + self.boundary_fields
         return FIELD_NAMES if self.create_attention_mask else tuple(n for n in FIELD_NAMES if n != "attention_mask")
 
 
@@ -143,17 +170,23 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
                                                              and options.create_attention_mask):
         starts = _segment_starts(is_eod)
     if by_document:
+        segments = None if options.boundary_format == "megatron" else np.empty((batch, seq), dtype=np.int32)
         cu_seqlens, max_seqlen, position_ids = document_fields(*pieces, seq_length=seq,
                                                                add_extra_token=add_extra_token,
-                                                               describe_row=describe_row)
+                                                               describe_row=describe_row, segments=segments)
     elif options.reset_position_ids:
         position_ids = np.arange(seq, dtype=np.int64) - starts  # (B, S)
     else:
         position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
     fields = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
-    if by_document:
+    if by_document and options.boundary_format == "segments":
+        fields["inputs_segmentation"] = segments
+        fields["inputs_position"] = position_ids.astype(np.int32)
+    elif by_document:
         fields["cu_seqlens"] = cu_seqlens
         fields["max_seqlen"] = max_seqlen
+        if options.boundary_format == "thd":
+            fields["document_ids"] = segments
     if options.create_attention_mask:
         causal = np.tril(np.ones((seq, seq), dtype=bool))  # (S, S) True = may attend
         if options.reset_attention_mask:
@@ -171,14 +204,16 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
 
 
 def document_fields(ends: np.ndarray, counts: np.ndarray, *, seq_length: int, add_extra_token: bool,
-                    backend: str | None = None,
-                    describe_row=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    backend: str | None = None, describe_row=None,
+                    segments: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """megatron-core's boundary fields from the rows' document pieces (see the module docstring):
     ``cu_seqlens`` (B, S + 1) int32, ``max_seqlen`` (B,) int32, ``position_ids`` (B, S) int64.
 
     ``ends``/``counts``: :class:`~tokenloom.source.protocol.PieceRows`'s. ``backend``: "numba"
     (the default where installed) or "numpy"; identical results. ``describe_row``: row index ->
-    what an error calls that row (default "row k of the batch").
+    what an error calls that row (default "row k of the batch"). ``segments``: a ``(B, S)`` int32
+    array to fill with each input token's segment id, MaxText's convention: the row's non-empty
+    documents numbered from 1, 0 on padding (the columns past the row's tokens).
     """
     counts = np.ascontiguousarray(counts, dtype=np.int32)
     batch = counts.shape[0]
@@ -187,13 +222,16 @@ def document_fields(ends: np.ndarray, counts: np.ndarray, *, seq_length: int, ad
     position_ids = np.empty((batch, seq_length), dtype=np.int64)  # (B, S)
     if backend is None:
         backend = "numba" if numba_available() else "numpy"
+    want_segments = segments is not None
+    if not want_segments:
+        segments = np.empty((1, 1), dtype=np.int32)
     if backend == "numba":
         bad = compiled(_document_fields_kernel)(np.ascontiguousarray(ends, dtype=np.int32), counts,
                                                 np.int64(seq_length), bool(add_extra_token), cu_seqlens,
-                                                max_seqlen, position_ids)
+                                                max_seqlen, position_ids, want_segments, segments)
     elif backend == "numpy":
         bad = _document_fields_numpy(np.asarray(ends), counts, seq_length, bool(add_extra_token), cu_seqlens,
-                                     max_seqlen, position_ids)
+                                     max_seqlen, position_ids, segments if want_segments else None)
     else:
         raise ConfigError(f"backend={backend!r}; expected 'numba' or 'numpy'")
     name = describe_row or (lambda row: f"row {row} of the batch")
@@ -211,7 +249,8 @@ def document_fields(ends: np.ndarray, counts: np.ndarray, *, seq_length: int, ad
 
 
 @jit(cache=True, nogil=True)
-def _document_fields_kernel(ends, counts, seq_length, add_extra_token, cu_seqlens, max_seqlen, position_ids):
+def _document_fields_kernel(ends, counts, seq_length, add_extra_token, cu_seqlens, max_seqlen, position_ids,
+                            want_segments, segments):
     """Fill the three outputs row by row (megatron-core's rules, the module docstring's); returns
     -1, the first row whose pieces cannot be a sample's, or ``-2 - row`` for a row with more
     documents than ``cu_seqlens`` has room for."""
@@ -246,11 +285,21 @@ def _document_fields_kernel(ends, counts, seq_length, add_extra_token, cu_seqlen
             for c in range(start, stop):
                 position_ids[r, c] = c - start
         max_seqlen[r] = longest
+        if want_segments:  # non-empty documents from 1; 0 past the row's tokens (padding)
+            tokens_end = np.int64(ends[r, counts[r] - 1])
+            segment = 0
+            for j in range(n):
+                start = np.int64(cu_seqlens[r, j])
+                stop = np.int64(cu_seqlens[r, j + 1])
+                if stop > start:
+                    segment += 1
+                for c in range(start, stop):
+                    segments[r, c] = segment if c < tokens_end else 0
     return -1
 
 
 def _document_fields_numpy(ends, counts, seq_length, add_extra_token, cu_seqlens, max_seqlen,
-                           position_ids) -> int:
+                           position_ids, segments=None) -> int:
     """:func:`_document_fields_kernel` in vectorised numpy (where numba is missing)."""
     batch = counts.shape[0]
     n = counts.astype(np.int64)  # (B,)
@@ -287,6 +336,13 @@ def _document_fields_numpy(ends, counts, seq_length, add_extra_token, cu_seqlens
     starts[np.nonzero(valid)[0], first_columns[valid]] = first_columns[valid]
     np.maximum.accumulate(starts, axis=1, out=starts)
     np.subtract(np.arange(seq_length, dtype=np.int64), starts, out=position_ids)
+    if segments is not None:  # count the non-empty documents started at or before each column
+        non_empty = valid & (cu_seqlens[:, 1:k + 1] > cu_seqlens[:, :k])
+        marks = np.zeros((batch, seq_length), dtype=np.int32)
+        marks[np.nonzero(non_empty)[0], first_columns[non_empty]] = 1
+        np.cumsum(marks, axis=1, out=segments)
+        tokens_end = ends[rows, counts.astype(np.int64) - 1].astype(np.int64)  # (B,) raw end of the last piece
+        segments[np.arange(seq_length)[None, :] >= tokens_end[:, None]] = 0
     return -1
 
 
@@ -329,4 +385,5 @@ def _reference_fields(row: np.ndarray, *, eod_id, pad_id: int, add_extra_token: 
     return out
 
 
-__all__ = ["BOUNDARY_FIELDS", "FIELD_NAMES", "SampleOptions", "build_fields", "document_fields"]
+__all__ = ["BOUNDARY_FORMATS", "FIELD_NAMES", "SAMPLE_WIDE_FIELDS", "SampleOptions", "build_fields",
+           "document_fields"]

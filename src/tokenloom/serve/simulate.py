@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
-from tokenloom.serve.samples import BOUNDARY_FIELDS, SampleOptions
+from tokenloom.serve.samples import SAMPLE_WIDE_FIELDS, SampleOptions
 from tokenloom.serve.topology import LoadMode, Topology, context_parallel_positions
 from tokenloom.source import SampleSource
 
@@ -39,6 +39,10 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                  options: SampleOptions = SampleOptions(), audit: MixtureAudit | None = None,
                  state: dict | None = None) -> JobReport:
     """Serve ``num_steps`` steps to every rank of ``topology``; see the module docstring."""
+    if options.boundary_format == "thd":
+        raise ConfigError("simulate_job reassembles global batches from per-sample fields, and "
+                          "boundary_format='thd' packs each micro-batch's boundaries into one sequence: simulate "
+                          "with boundary_format='megatron' (the packed form is made from it per micro-batch)")
     loaders = [RankLoader(source, geometry, topology=topology, rank=r, options=options, mode=LoadMode.EVERY_RANK,
                           audit=audit if r == 0 else None) for r in range(topology.world_size)]
     if state is not None:
@@ -64,7 +68,7 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                                         f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
                         positions = context_parallel_positions(seq, topology.cp, cp_rank)
                         for name, value in group[0].items():
-                            if name == "dataset_id" or name in BOUNDARY_FIELDS:  # whole on every cp rank
+                            if name == "dataset_id" or name in SAMPLE_WIDE_FIELDS:  # whole on every cp rank
                                 merged[name] = value
                                 continue
                             axis = 2 if name == "attention_mask" else 1

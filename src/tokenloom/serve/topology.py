@@ -24,7 +24,7 @@ from enum import Enum
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.serve.samples import BOUNDARY_FIELDS
+from tokenloom.serve.samples import SAMPLE_WIDE_FIELDS
 from tokenloom.validate import is_integer
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -138,21 +138,20 @@ class Topology:
             stride *= size
         return rank
 
-    def stage_fields(self, pp_rank: int, *, boundaries: bool = False) -> tuple[str, ...]:
+    def stage_fields(self, pp_rank: int, *, boundaries: tuple[str, ...] = ()) -> tuple[str, ...]:
         """Fields pipeline stage ``pp_rank`` consumes: inputs on the first, targets on the last,
-        and with ``boundaries`` (``inter_document_masking``) the document boundaries on every
-        stage, since each stage's attention keeps to the documents (as Megatron-LM broadcasts
-        them to middle stages)."""
+        and the document-boundary fields ``boundaries`` (``SampleOptions.boundary_fields``) on
+        every stage, since each stage's attention keeps to the documents (as Megatron-LM
+        broadcasts them to middle stages)."""
         out: tuple[str, ...] = ()
         if pp_rank == 0:
             out += INPUT_FIELDS
         if pp_rank == self.pp - 1:
             out += TARGET_FIELDS
-        if boundaries:
-            out += BOUNDARY_FIELDS
-        return out
+        return out + tuple(boundaries)
 
-    def plan(self, rank: int, mode: LoadMode | str = LoadMode.BROADCAST, *, boundaries: bool = False) -> RankPlan:
+    def plan(self, rank: int, mode: LoadMode | str = LoadMode.BROADCAST, *,
+             boundaries: tuple[str, ...] = ()) -> RankPlan:
         """What ``rank`` loads, receives, and keeps (``boundaries``: see :meth:`stage_fields`)."""
         mode = LoadMode(mode)
         c = self.coordinates(rank)
@@ -227,7 +226,7 @@ def context_parallel_slice(fields: dict, cp_size: int, cp_rank: int) -> dict:
         return dict(fields)
     out = {}
     for name, value in fields.items():
-        if name in BOUNDARY_FIELDS:  # they describe the whole sample
+        if name in SAMPLE_WIDE_FIELDS:  # they describe the whole sample
             out[name] = value
             continue
         seq_axis = 2 if name == "attention_mask" else 1

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
-from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema
+from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema, finish_micro_batch
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankSchedule
 from tokenloom.serve.sampler import MicroBatchSampler
@@ -71,25 +71,30 @@ class ServeDataset(torch.utils.data.Dataset):
 
     ``fields`` keeps only the named fields (a pipeline stage's), ``cp`` cuts context-parallel
     chunks (see :class:`~tokenloom.serve.batch.BatchPipeline`). ``dataset[pairs]`` and
-    ``dataset.__getitems__(pairs)`` return one batch as a :class:`PackedBatch` of tensors.
+    ``dataset.__getitems__(pairs)`` return one batch as a :class:`PackedBatch` of tensors: one
+    micro-batch, or with ``per_sample=True`` the per-sample fields of any number of micro-batches
+    (a whole step), which the consumer cuts and finishes (``finish_micro_batch``) itself.
     """
 
     def __init__(self, source: SampleSource, *, options: SampleOptions = SampleOptions(),
-                 fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0) -> None:
+                 fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0,
+                 per_sample: bool = False) -> None:
         check_eod(source, options)
         self.source = source
         self.options = options
         self.fields = fields
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.pipeline = BatchPipeline(source, options=options, fields=fields, cp_size=cp_size, cp_rank=cp_rank)
+        self.per_sample = per_sample
 
     def __len__(self) -> int:
         return self.source.num_samples
 
     def __getitems__(self, pairs) -> dict[str, torch.Tensor]:
         pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)  # (B, 2) (dataset_id, sample_id)
-        fields = self.pipeline.read(pairs[:, 0], pairs[:, 1])
-        return PackedBatch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()})
+        read = self.pipeline.read_samples_fields if self.per_sample else self.pipeline.read
+        fields = read(pairs[:, 0], pairs[:, 1])
+        return PackedBatch({k: torch.from_numpy(np.require(v, requirements="C")) for k, v in fields.items()})
 
     __getitem__ = __getitems__
 
@@ -191,15 +196,16 @@ def build_dataloader(source: SampleSource, geometry: BatchGeometry, *, topology:
     still has a state). ``mode`` is EVERY_RANK here: every rank that needs data gets a loader;
     use :class:`DistributedBatches` for tensor rank 0 loading and broadcasting.
     ``whole_steps=True`` makes each item the rest of an optimizer step (``micro x accumulation``
-    rows; :class:`DistributedBatches` slices them back into micro-batches).
+    rows of per-sample fields; :class:`DistributedBatches` slices them back into micro-batches and
+    finishes each, ``finish_micro_batch``).
     """
     topology = topology or Topology(dp=geometry.dp)
-    plan = topology.plan(rank, mode, boundaries=options.inter_document_masking)
+    plan = topology.plan(rank, mode, boundaries=options.boundary_fields)
     if not plan.loads:
         raise ConfigError(f"rank {rank} ({plan.coordinates}) loads no data in mode {LoadMode(mode).value}; "
                           "middle pipeline stages and broadcast receivers need no DataLoader")
     dataset = ServeDataset(source, options=options, fields=plan.fields, cp_size=topology.cp,
-                           cp_rank=plan.coordinates.cp_rank)
+                           cp_rank=plan.coordinates.cp_rank, per_sample=whole_steps)
     sampler = StatefulBatchSampler(source, geometry, dp_rank=plan.coordinates.dp_rank, max_steps=max_steps,
                                    whole_steps=whole_steps)
     kwargs: dict[str, Any] = dict(batch_sampler=sampler, collate_fn=passthrough_collate, num_workers=num_workers,
@@ -296,7 +302,7 @@ class DistributedBatches(RankSchedule):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
         if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
             batch = self._broadcast(batch)
-        return batch
+        return None if batch is None else finish_micro_batch(batch, self.options, self.source.seq_length)
 
     def _broadcast(self, batch):
         if self._schema is None:
