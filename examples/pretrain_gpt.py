@@ -24,6 +24,15 @@ number of ranks: each micro-batch's summed loss is divided by the global batch's
 The model is plain PyTorch (pre-norm decoder blocks, causal attention, tied embeddings) and has no
 dropout, so a resumed run repeats the uninterrupted one up to float rounding.
 
+``--document-mask`` keeps attention inside each document of a packed sample (as Llama 3 trains):
+the loader serves each sample's document boundaries (``SampleOptions(inter_document_masking=True,
+boundary_format="thd")``: ``document_ids`` per token, position ids restarting per document, and
+the micro-batch's packed ``cu_seqlens`` for FlashAttention or Transformer Engine), and the blocks
+attend under a mask built from ``document_ids``: FlexAttention's block mask, compiled, on CUDA;
+``scaled_dot_product_attention`` with a dense mask on the CPU, where FlexAttention has no backward
+pass. The boundaries come from the index's document pieces, so a store without EOD tokens is
+masked too.
+
 ``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (0-based, as
 tokenloom's serving state, audit log and ``tokenloom where --step`` count),
 ``loss``, ``tokens`` (of the global batch), ``batch_fingerprint`` (of the global batch's samples,
@@ -50,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 import tokenloom
 from tokenloom.errors import ConfigError
 from tokenloom.io import IndexedDataset
-from tokenloom.serve import BatchGeometry, Topology, batch_fingerprint
+from tokenloom.serve import BatchGeometry, SampleOptions, Topology, batch_fingerprint
 from tokenloom.serve.torch_adapter import DistributedBatches
 
 CHECKPOINT_FORMAT = "tokenloom-example-gpt-checkpoint"
@@ -62,8 +71,49 @@ CRASH_ENV = "PRETRAIN_GPT_CRASH_AT"  # "STEP:MICRO" (0-based): exit inside that 
 # ------------------------------------------------------------------------------------ the model
 
 
+def document_mask(document_ids: torch.Tensor):
+    """Where token ``q`` may attend to ``kv``: in the same document and ``kv <= q`` (causal inside
+    each document), for ``document_ids`` ``(B, S)``.
+
+    On CUDA a FlexAttention block mask, kept as 128 x 128 blocks (empty, full or partial) rather
+    than an S x S matrix, for a compiled fused kernel. On the CPU FlexAttention has no backward
+    pass, so there it is a dense ``(B, 1, S, S)`` bool mask for ``scaled_dot_product_attention``,
+    which this example's sizes afford.
+    """
+    if document_ids.device.type != "cuda":
+        causal = torch.ones(document_ids.shape[1], document_ids.shape[1], dtype=torch.bool,
+                            device=document_ids.device).tril()
+        same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]  # (B, 1, S, S)
+        return same_document & causal
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_within_document(b, h, q, kv):
+        return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
+
+    batch, length = document_ids.shape
+    return create_block_mask(causal_within_document, batch, None, length, length, device=document_ids.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """Attention under ``mask`` (:func:`document_mask`'s) or causal when it is None."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention)
+    return _FLEX(q, k, v, block_mask=mask)
+
+
+_FLEX = None  # FlexAttention compiled on first use (CUDA)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+    """Pre-norm transformer block: causal self-attention (inside each document, given
+    :func:`document_mask`'s mask), then a 4x GELU MLP."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
@@ -75,11 +125,11 @@ class Block(nn.Module):
         self.fc = nn.Linear(hidden, 4 * hidden)
         self.out = nn.Linear(4 * hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         batch, length, hidden = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=2)
         q, k, v = (t.view(batch, length, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        attended = attend(q, k, v, mask)  # (B, heads, T, head_dim)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, hidden))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
@@ -102,10 +152,14 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(parameter)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; with ``document_ids`` ``(B, T)`` attention stays inside each
+        document."""
+        mask = None if document_ids is None else document_mask(document_ids)
         x = self.tokens(tokens) + self.positions(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.norm(x) @ self.tokens.weight.T  # (B, T, vocab) logits
 
 
@@ -135,6 +189,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234, help="model initialisation")
+    p.add_argument("--document-mask", action="store_true",
+                   help="attend only inside each document of a packed sample (FlexAttention over the served "
+                        "document boundaries; position ids restart per document). Kept in the checkpoint")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank reading ahead")
     p.add_argument("--skip-steps", action="append", default=[], metavar="A:B",
                    help="never train on the samples steps A..B-1 would get (0-based, not yet trained; after a loss "
@@ -195,12 +252,19 @@ def model_config(args, vocab_size: int, seq_length: int) -> dict:
             "heads": args.heads}
 
 
+def sample_options(args) -> SampleOptions:
+    """What the loader serves: with ``--document-mask`` each sample's document boundaries."""
+    if args.document_mask:
+        return SampleOptions(inter_document_masking=True, boundary_format="thd")
+    return SampleOptions()
+
+
 def save_checkpoint(path: str, *, step: int, model: nn.Module, optimizer, batches, build_key: str,
-                    config: dict) -> None:
+                    config: dict, document_mask: bool = False) -> None:
     """Everything a resume needs, written after a whole optimizer step, atomically (rank 0)."""
     state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "build_key": build_key,
              "model_config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "loader": batches.state_dict()}
+             "loader": batches.state_dict(), "document_mask": document_mask}
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -272,7 +336,8 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                              dp=world)
     accumulation = geometry.num_micro_batches_for(args.global_batch_size)
     batches = DistributedBatches(split, geometry, Topology(dp=world), rank, mode="every_rank",
-                                 num_workers=args.num_workers, device=device, max_steps=args.steps)
+                                 num_workers=args.num_workers, device=device, max_steps=args.steps,
+                                 options=sample_options(args))
 
     # 2. the model, identical on every rank (DDP also broadcasts rank 0's at the start)
     config = model_config(args, vocab_size_of(split, args.vocab_size), split.seq_length)
@@ -284,6 +349,9 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
     step = 0
     if args.resume:
         state = load_checkpoint(path, build_key=result.build_key, config=config)
+        if bool(state.get("document_mask", False)) != args.document_mask:
+            raise ConfigError(f"--resume: {path} was trained {'with' if state.get('document_mask') else 'without'} "
+                              "--document-mask; resume it the same way (the attention it learned differs)")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["loader"])  # any number of ranks: the state is layout-free
@@ -341,7 +409,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                     os._exit(3)
                 last = m == accumulation - 1
                 with ddp.no_sync() if world > 1 and not last else contextlib.nullcontext():
-                    logits = ddp(batch["tokens"], batch["position_ids"])
+                    logits = ddp(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
                     losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                              reduction="none")
                     summed = (losses * batch["loss_mask"].flatten().float()).sum()
@@ -360,7 +428,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             if step % args.save_interval == 0 or step == args.steps:
                 if rank == 0:
                     save_checkpoint(path, step=step, model=model, optimizer=optimizer, batches=batches,
-                                    build_key=result.build_key, config=config)
+                                    build_key=result.build_key, config=config, document_mask=args.document_mask)
                 if world > 1:
                     dist.barrier()  # no rank runs ahead of a checkpoint being written
             if metrics is not None:

@@ -156,3 +156,71 @@ def test_a_resume_can_skip_the_steps_around_a_loss_spike(builds, uninterrupted, 
     assert fingerprints[25:40] == reference[30:45]
     state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
     assert state["loader"]["skipped_ranges"] == [[25 * GLOBAL, 30 * GLOBAL]]
+
+
+def _example_module():
+    """examples/pretrain_gpt.py imported as a module (its model and attention)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_document_mask_leaks_nothing_across_documents(tmp_path):
+    """With --document-mask's fields and attention, every token's loss in a packed sample equals
+    the loss of its document run alone (the served position ids restart per document); without
+    the mask the later documents' losses change (attention reaches into the earlier ones)."""
+    import numpy as np
+
+    from tokenloom.io import IndexedDatasetWriter
+    from tokenloom.serve import SampleStream, StoreBlendSource, read_batch
+
+    example = _example_module()
+    vocab, seq = 97, 48
+    rng = np.random.default_rng(5)
+    with IndexedDatasetWriter(str(tmp_path / "short"), dtype=np.uint16) as writer:  # no EOD tokens at all
+        for length in rng.integers(3, 30, 200):
+            writer.add_document(rng.integers(0, vocab, int(length)))
+        writer.finalize({"tokenizer": {"kind": "bytes", "name": "bytes", "path": None, "sha256": None,
+                                       "vocab_size": vocab, "eod_id": None, "append_eod": False}})
+    source = StoreBlendSource.from_prefixes([str(tmp_path / "short")], [1.0], num_samples=16, seq_length=seq, seed=3)
+    options = example.sample_options(example.parse_args(["--build", "b", "--steps", "1", "--global-batch-size", "4",
+                                                          "--micro-batch-size", "4", "--checkpoint", "c",
+                                                          "--document-mask"]))
+    batch = {k: torch.from_numpy(v) for k, v in read_batch(SampleStream(source), np.arange(4), options).items()}
+    torch.manual_seed(0)
+    model = example.GPT(vocab_size=vocab, seq_length=seq, layers=2, hidden=32, heads=4).eval()
+
+    def token_losses(tokens, positions, labels, documents=None):
+        logits = model(tokens, positions, documents)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+
+    with torch.no_grad():
+        masked = token_losses(batch["tokens"], batch["position_ids"], batch["labels"],
+                              batch["document_ids"]).view(4, seq)
+        unmasked = token_losses(batch["tokens"], batch["position_ids"], batch["labels"]).view(4, seq)
+        leaked = 0
+        for row in range(4):
+            documents = batch["document_ids"][row]
+            assert int(documents.max()) >= 2  # short documents: several in every sample
+            for document in range(1, int(documents.max()) + 1):
+                columns = torch.nonzero(documents == document).flatten()
+                alone = token_losses(batch["tokens"][row, columns][None], torch.arange(columns.numel())[None],
+                                     batch["labels"][row, columns][None])
+                torch.testing.assert_close(masked[row, columns], alone, rtol=1e-4, atol=1e-5)
+                leaked += document > 1 and not torch.allclose(unmasked[row, columns], alone, rtol=1e-4, atol=1e-5)
+        assert leaked > 0
+
+
+def test_a_run_with_the_document_mask_trains_and_resumes_only_with_it(builds, tmp_path):
+    _, build, _ = builds
+    metrics = tmp_path / "metrics.jsonl"
+    train(build, tmp_path / "ckpt", ranks=1, steps=4, metrics=metrics, extra=["--document-mask", "--num-workers", "0"])
+    logged = _metrics(metrics)
+    assert [m["step"] for m in logged] == [0, 1, 2, 3] and all(5.0 < m["loss"] < 6.5 for m in logged[:1])
+    assert torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["document_mask"] is True
+    result = train(build, tmp_path / "ckpt", ranks=1, steps=6, resume=True, expect=1)
+    assert "trained with --document-mask; resume it the same way" in result.stderr
+    train(build, tmp_path / "ckpt", ranks=1, steps=6, resume=True, extra=["--document-mask"])
