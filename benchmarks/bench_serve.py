@@ -3,7 +3,7 @@
     flock /tmp/tokenloom-bench.lock python benchmarks/bench_serve.py \
         --tokens-per-store 20000000 --samples 2000 --rss-documents 100000000
 
-Three tables:
+Four tables:
 
 1. Throughput at seq 2048, one process, real tokens read through the mmap: megatron-core's
    ``BlendedDataset[i]`` loop against tokenloom's micro-batches (``RankLoader``: one vectorised
@@ -19,6 +19,12 @@ Three tables:
    an accelerator): achieved rate and the share of wall time spent waiting for data, for
    ``build_dataloader`` (one DataLoader item per micro-batch) and ``DistributedBatches`` (one item
    per optimizer step of ``--accumulation`` micro-batches, sliced in the main process).
+4. Document boundaries (``inter_document_masking``) at ``--boundary-seq-lengths`` (2048 and 8192):
+   tokenloom's micro-batches with megatron-core's ``cu_seqlens``/``max_seqlen`` (and with the packed
+   THD form) against the same pipeline without them, and against megatron-core's
+   ``BlendedDataset[i]`` with ``inter_document_masking=True`` (its per-document Python loop), the
+   rows taking turns over ``--rounds`` rounds (median kept) so that a noisy machine slows each
+   alike; the exact rows are checked field for field against megatron-core in the same run.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def write_store(prefix: str, num_documents: int, mean_length: float, seed: int, 
 # ------------------------------------------------------------------------------------ throughput
 
 
-def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, resets):
+def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, resets, documents=False):
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -76,7 +82,8 @@ def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, re
         random_seed=seed, sequence_length=seq_length, blend=(list(prefixes), list(weights)), split="1,0,0",
         path_to_cache=cache,
         tokenizer=MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=VOCAB),
-        reset_position_ids=resets, reset_attention_mask=False, eod_mask_loss=resets, create_attention_mask=False)
+        reset_position_ids=resets, reset_attention_mask=False, eod_mask_loss=resets, create_attention_mask=False,
+        inter_document_masking=documents)
     return BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config).build()[0]
 
 
@@ -125,6 +132,57 @@ def bench_throughput(args, prefixes, directory) -> list[dict]:
             row["samples_per_s"] = n / row["seconds"]
             row["tokens_per_s"] = n * seq / row["seconds"]
             row["ratio"] = megatron_seconds / row["seconds"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------ document boundaries
+
+
+def bench_boundaries(args, prefixes, directory) -> list[dict]:
+    """Table 4: the cost of the boundary fields, per micro-batch, and megatron-core's loop with them."""
+    from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, StoreBlendSource
+
+    weights = [0.5, 0.3, 0.2][: len(prefixes)]
+    n, micro = args.samples, args.micro_batch
+    kinds = {"without boundaries": SampleOptions(),
+             "cu_seqlens, max_seqlen (megatron)": SampleOptions(inter_document_masking=True),
+             "packed THD + document_ids": SampleOptions(inter_document_masking=True, boundary_format="thd")}
+    rows = []
+    for seq in args.boundary_seq_lengths:
+        exact = StoreBlendSource.from_prefixes(prefixes, weights, num_samples=n, seq_length=seq, seed=1234)
+        theirs = megatron_dataset(prefixes, weights, n, seq, 1234, os.path.join(directory, "cache"), False,
+                                  documents=True)
+        geometry = BatchGeometry(global_batch_size=micro, micro_batch_size=micro, dp=1)
+        first = RankLoader(exact, geometry, options=kinds["cu_seqlens, max_seqlen (megatron)"], max_steps=1)
+        first = first.next_batch()
+        for j in range(micro):  # the same samples, field for field
+            for key, value in theirs[j].items():
+                if not np.array_equal(first[key][j], value.numpy()):
+                    raise SystemExit(f"seq {seq}: tokenloom differs from megatron-core at sample {j} field {key}")
+        times: dict[str, list[float]] = {name: [] for name in ("megatron-core", *kinds)}
+        for _ in range(args.rounds):  # the readers take turns, so a noisy machine slows each alike
+            start = time.perf_counter()
+            for i in range(n):
+                theirs[i]
+            times["megatron-core"].append(time.perf_counter() - start)
+            for name, options in kinds.items():
+                loader = RankLoader(exact, geometry, options=options, max_steps=n // micro)
+                loader.next_batch()  # first use (numba's cache, the stores' pages) outside the timing
+                start = time.perf_counter()
+                for _ in loader:
+                    pass
+                times[name].append((time.perf_counter() - start) * n / (n - micro))
+        megatron_seconds = float(np.median(times["megatron-core"]))
+        plain_seconds = float(np.median(times["without boundaries"]))
+        for name, seconds in times.items():
+            seconds = float(np.median(seconds))
+            reader = ("megatron-core BlendedDataset[i] loop, inter_document_masking" if name == "megatron-core"
+                      else f"tokenloom RankLoader, exact, {name} (micro-batch {micro})")
+            rows.append({"seq_length": seq, "reader": reader, "seconds": seconds, "samples_per_s": n / seconds,
+                         "per_micro_batch_ms": 1e3 * seconds / (n / micro),
+                         "vs_megatron": megatron_seconds / seconds,
+                         "added": None if name in ("megatron-core", "without boundaries")
+                         else seconds / plain_seconds - 1, "rounds": times[name]})
     return rows
 
 
@@ -271,7 +329,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--consumer-rate", type=float, default=1e6, help="consumer speed in tokens/s")
     parser.add_argument("--loader-seconds", type=float, default=10.0, help="how long the consumer runs")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "memory", "loader"])
+    parser.add_argument("--boundary-seq-lengths", type=int, nargs="+", default=[2048, 8192],
+                        help="sequence lengths of the boundary table")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the boundary table (median kept)")
+    parser.add_argument("--json", help="also write every table's rows here")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "memory", "loader", "boundaries"])
     parser.add_argument("--directory", default=None, help="where to write the stores (default: a temp dir)")
     parser.add_argument("--rss-child", nargs=2, metavar=("KIND", "PREFIX"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -292,6 +354,19 @@ def main() -> None:
                 print(f"| {r['case']} | {r['reader']} | {r['samples_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | "
                       f"{r['ratio']:.1f}x |")
             print()
+        report: dict = {}
+        if "boundaries" not in args.skip:
+            rows = report["boundaries"] = bench_boundaries(args, prefixes, directory)
+            print("| seq | reader | samples/s | ms per micro-batch | vs megatron-core | added by the fields |")
+            print("|---:|---|---:|---:|---:|---:|")
+            for r in rows:
+                added = "-" if r["added"] is None else f"{100 * r['added']:+.1f}%"
+                print(f"| {r['seq_length']} | {r['reader']} | {r['samples_per_s']:,.0f} | "
+                      f"{r['per_micro_batch_ms']:.3f} | {r['vs_megatron']:.1f}x | {added} |")
+            print()
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
         if "loader" not in args.skip:
             rows = bench_loader(args, prefixes)
             print("| loader | workers | consumer | tokens/s delivered | consumer waiting |")

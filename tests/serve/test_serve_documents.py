@@ -490,3 +490,112 @@ def test_boundary_formats_are_checked_and_thd_is_refused_where_rows_are_assemble
         HostLoader(None, global_batch_size=8, shard=ShardOptions(shard_index=0, shard_count=1), options=thd)
     with pytest.raises(ConfigError, match="simulate with boundary_format='megatron'"):
         simulate_job(None, None, Topology(dp=1), num_steps=1, options=thd)
+
+
+def _te_partitioned_indices(cu_seqlens, total_tokens: int, world_size: int, rank: int) -> list[int]:
+    """Transformer Engine's ``thd_get_partitioned_indices``, from its documentation: every
+    sequence of ``cu_seqlens`` (lengths multiples of 2 x world_size) is cut into 2 x world_size
+    equal chunks and ``rank`` takes chunks ``rank`` and ``2 x world_size - 1 - rank``, sequence
+    after sequence."""
+    out = []
+    for start, stop in itertools.pairwise([int(c) for c in cu_seqlens]):
+        chunk = (stop - start) // (2 * world_size)
+        for part in (rank, 2 * world_size - 1 - rank):
+            out.extend(range(start + part * chunk, start + (part + 1) * chunk))
+    assert all(0 <= i < total_tokens for i in out)
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(seq_length=st.integers(2, 40), micro=st.integers(1, 4), cp=st.sampled_from([2, 3, 4]),
+       seed=st.integers(0, 2**31), extra=st.booleans(), empty_rate=st.sampled_from([0.0, 0.2]))
+def test_context_parallel_ranks_hold_transformer_engines_thd_chunks_of_every_document(
+        tmp_path_factory, seq_length, micro, cp, seed, extra, empty_rate):
+    """boundary_format='thd' with cp > 1: documents padded to a multiple of 2 x cp, every rank the
+    two chunks of each that Transformer Engine's partitioning gives it; together the ranks hold
+    every token of the micro-batch once. numpy and torch alike."""
+    torch = pytest.importorskip("torch")
+    from tokenloom.serve.batch import finish_micro_batch
+
+    directory = tmp_path_factory.mktemp("cp")
+    prefixes = _corpus(directory, 1, seed=seed % 991, max_length=50, empty_rate=empty_rate)
+    source = StoreBlendSource.from_prefixes(prefixes, [1.0], num_samples=24, seq_length=seq_length, seed=seed,
+                                            add_extra_token=extra)
+    thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
+    try:
+        whole = BatchPipeline(source, options=thd).read_samples_fields(np.zeros(micro, np.int64), np.arange(micro))
+    except InputError:  # more documents than cu_seqlens can list
+        return
+    packed = read_batch(SampleStream(source), np.arange(micro), thd)  # the same micro-batch, cp = 1
+    ends = packed["cu_seqlens"].astype(np.int64)
+    flat = {name: whole[name].reshape(-1) for name in ("tokens", "labels", "loss_mask")}
+    # the reference padded sequence, document by document
+    padded_ends, reference = [0], {name: [] for name in ("tokens", "labels", "loss_mask", "position_ids",
+                                                          "document_ids")}
+    for d, (start, stop) in enumerate(itertools.pairwise(ends)):
+        length = int(stop - start)
+        size = -(-length // (2 * cp)) * 2 * cp
+        padded_ends.append(padded_ends[-1] + size)
+        for name in ("tokens", "labels", "loss_mask"):
+            reference[name].extend([*flat[name][start:stop].tolist(), *[0] * (size - length)])
+        reference["position_ids"].extend(range(size))
+        reference["document_ids"].extend([d + 1] * size)
+    total = padded_ends[-1]
+    seen = []
+    for rank in range(cp):
+        indices = _te_partitioned_indices(padded_ends, total, cp, rank)
+        seen.extend(indices)
+        ours = finish_micro_batch(whole, thd, seq_length, cp_size=cp, cp_rank=rank)
+        on_torch = finish_micro_batch({k: torch.from_numpy(v) for k, v in whole.items()}, thd, seq_length,
+                                      cp_size=cp, cp_rank=rank)
+        np.testing.assert_array_equal(ours["cu_seqlens"], ends)
+        np.testing.assert_array_equal(ours["cu_seqlens_padded"], padded_ends)
+        assert int(ours["max_seqlen"]) == max(np.diff(padded_ends), default=0)
+        assert all(v % (2 * cp) == 0 for v in np.diff(padded_ends))
+        for name, values in reference.items():
+            expected = np.asarray(values)[indices]
+            assert ours[name].shape == (1, total // cp), name
+            np.testing.assert_array_equal(ours[name][0], expected, err_msg=f"rank {rank} {name}")
+            np.testing.assert_array_equal(on_torch[name].numpy(), ours[name], err_msg=f"torch, rank {rank} {name}")
+        for name in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
+            np.testing.assert_array_equal(on_torch[name].numpy(), ours[name])
+            assert on_torch[name].dtype == torch.int32 and ours[name].dtype == np.int32
+    assert sorted(seen) == list(range(total))  # every padded position on exactly one rank
+
+
+def test_context_parallel_loaders_and_distributed_batches_serve_the_thd_split(tmp_path):
+    """A cp=2 job's loaders (RankLoader, and DistributedBatches through its whole-step DataLoader)
+    give each cp rank the per-document chunks of the one-process micro-batch."""
+    pytest.importorskip("torch")
+    from tokenloom.serve.batch import finish_micro_batch
+    from tokenloom.serve.torch_adapter import DistributedBatches
+
+    rng = np.random.default_rng(12)
+    docs = [np.append(rng.integers(0, EOD, int(n)), EOD) for n in rng.integers(1, 25, 80)]
+    prefix = write_store(str(tmp_path / "s"), docs, vocab_size=VOCAB, eod_id=EOD)
+    source = StoreBlendSource.from_prefixes([prefix], [1.0], num_samples=64, seq_length=16, seed=6)
+    thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
+    geometry = BatchGeometry(global_batch_size=8, micro_batch_size=2, dp=2)
+    topology = Topology(dp=2, cp=2)
+    for dp_rank in range(2):
+        per_sample = RankLoader(source, geometry, topology=Topology(dp=2), rank=dp_rank,
+                                options=SampleOptions(inter_document_masking=True), max_steps=2)
+        whole = [dict(b) for b in per_sample]
+        for cp_rank in range(2):
+            rank = topology.rank_of(dp_rank=dp_rank, cp_rank=cp_rank)
+            loaded = list(RankLoader(source, geometry, topology=topology, rank=rank, options=thd, max_steps=2))
+            batches = DistributedBatches(source, geometry, topology, rank, options=thd, num_workers=1, max_steps=2,
+                                         mode="every_rank")
+            distributed = [batches.next_batch() for _ in range(len(loaded))]
+            assert len(loaded) == len(whole) == 4
+            for n, batch in enumerate(loaded):
+                # the split numbers the documents anew over the micro-batch: any (B, S) document_ids will do
+                unsplit = {**whole[n], "document_ids": np.zeros_like(whole[n]["tokens"], dtype=np.int32)}
+                expected = finish_micro_batch(unsplit, thd, 16, cp_size=2, cp_rank=cp_rank)
+                assert "cu_seqlens_padded" in batch and batch["tokens"].shape[0] == 1
+                for name in ("tokens", "labels", "loss_mask", "position_ids", "document_ids", "cu_seqlens",
+                             "cu_seqlens_padded", "max_seqlen", "dataset_id"):
+                    np.testing.assert_array_equal(batch[name], expected[name], err_msg=f"{rank} {n} {name}")
+                    np.testing.assert_array_equal(distributed[n][name].numpy(), batch[name],
+                                                  err_msg=f"DistributedBatches {rank} {n} {name}")

@@ -12,11 +12,12 @@ on top of it), the PyTorch ``ServeDataset`` -- turns a micro-batch into numpy fi
 3. keeps the fields a pipeline stage consumes (``fields``; None keeps all);
 4. cuts the context-parallel rank's two sequence chunks
    (:func:`~tokenloom.serve.topology.context_parallel_slice`; ``cu_seqlens`` and ``max_seqlen``
-   describe the whole sample and stay whole, as Megatron-LM leaves them);
+   describe the whole sample and stay whole, as Megatron-LM leaves them; the packed THD form is
+   cut per document in step 6 instead);
 5. adds ``dataset_id``, ``(B,)`` in megatron-core's dtype (int16, int32 beyond 32766 datasets);
 6. with ``boundary_format="thd"``, packs the micro-batch's per-sample boundaries into one sequence
-   (:func:`pack_documents`): the only step whose output length varies from one micro-batch to the
-   next.
+   (:mod:`tokenloom.serve.packed`), and with context parallelism keeps this rank's chunks of every
+   document: the only step whose output length varies from one micro-batch to the next.
 
 Steps 1-5 give fixed shapes per sample (:meth:`BatchPipeline.read_samples_fields`): that is what
 crosses process boundaries (DataLoader workers reading a whole step, the tensor-parallel
@@ -41,6 +42,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
+from tokenloom.serve.packed import pack_documents, partition_documents
 from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.topology import context_parallel_slice
 from tokenloom.source import SampleSource
@@ -71,6 +73,8 @@ class BatchPipeline:
         self.options = options
         self.fields = None if fields is None else tuple(fields)
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self._packed = options.inter_document_masking and options.boundary_format == "thd"
+        """Packed THD: a context-parallel rank's share is cut per document in step 6, not here."""
         self._eod_ids = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets],
                                  dtype=np.int64)  # (num_datasets,) -1: no EOD id
         # megatron-core's BlendedDataset hands out int16 dataset ids (int32 beyond 32766 datasets)
@@ -85,7 +89,8 @@ class BatchPipeline:
 
     def finish(self, fields: dict) -> dict:
         """Step 6 on one micro-batch's fields: :func:`finish_micro_batch`."""
-        return finish_micro_batch(fields, self.options, self.source.seq_length)
+        return finish_micro_batch(fields, self.options, self.source.seq_length, cp_size=self.cp_size,
+                                  cp_rank=self.cp_rank)
 
     def read_samples_fields(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
         """Steps 1-5: every field of the samples ``(dataset_ids[k], sample_ids[k])``, per sample
@@ -112,7 +117,7 @@ class BatchPipeline:
                            describe_row=describe_row)
         if self.fields is not None:
             out = {name: value for name, value in out.items() if name in self.fields}
-        if self.cp_size > 1:  # (B, S) -> (B, S / cp); attention_mask (B, 1, S, S) -> (B, 1, S / cp, S)
+        if self.cp_size > 1 and not self._packed:  # (B, S) -> (B, S / cp); attention_mask -> (B, 1, S / cp, S)
             out = context_parallel_slice(out, self.cp_size, self.cp_rank)
         out["dataset_id"] = dataset_ids.astype(self._id_dtype)  # (B,)
         return out
@@ -145,47 +150,17 @@ def field_schema(source: SampleSource, micro_batch_size: int, *, options: Sample
     return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size)
 
 
-def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int) -> dict:
+def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int, *, cp_size: int = 1,
+                       cp_rank: int = 0) -> dict:
     """Step 6 on one micro-batch's per-sample fields (numpy arrays or torch tensors): with
-    ``boundary_format="thd"`` the packed boundaries (:func:`pack_documents`); else unchanged."""
-    if options.inter_document_masking and options.boundary_format == "thd":
-        return pack_documents(fields, seq_length)
-    return fields
-
-
-def pack_documents(fields: dict, seq_length: int) -> dict:
-    """One micro-batch's per-sample boundaries as one packed (THD) sequence, what FlashAttention's
-    varlen functions and Transformer Engine's ``PackedSeqParams(qkv_format="thd")`` take for the
-    micro-batch's tokens laid end to end (``tokens.reshape(1, -1)``).
-
-    ``cu_seqlens`` ``(B, S + 1)`` -> ``(D + 1,)`` int32: 0, then each sample's document ends
-    (megatron-core's padding to ``S + 1`` removed) shifted by ``k * S`` for sample ``k``;
-    ``max_seqlen`` ``(B,)`` -> a 0-d int32, the longest document. This is megatron-core's own
-    ``flatten_batch_for_packed_sequences`` (which Megatron-LM's ``get_batch`` applies) without its
-    leading axis of 1. Other fields are unchanged. Numpy arrays or torch tensors (on any device).
-    """
-    cu_seqlens = fields["cu_seqlens"]  # (B, S + 1)
-    out = dict(fields)
-    if hasattr(cu_seqlens, "index_select"):  # torch
-        import torch
-
-        last = (cu_seqlens == seq_length).to(torch.int32).argmax(dim=1)  # (B,) where each sample's S is
-        columns = torch.arange(cu_seqlens.shape[1], device=cu_seqlens.device)
-        shift = torch.arange(cu_seqlens.shape[0], device=cu_seqlens.device, dtype=cu_seqlens.dtype) * seq_length
-        keep = (columns[None, :] >= 1) & (columns[None, :] <= last[:, None])  # (B, S + 1)
-        out["cu_seqlens"] = torch.cat([cu_seqlens.new_zeros(1), (cu_seqlens + shift[:, None])[keep]])
-        out["max_seqlen"] = fields["max_seqlen"].max()
-        return out
-    last = np.argmax(cu_seqlens == seq_length, axis=1)  # (B,)
-    columns = np.arange(cu_seqlens.shape[1])
-    shift = (np.arange(cu_seqlens.shape[0], dtype=np.int64) * seq_length)[:, None]
-    keep = (columns[None, :] >= 1) & (columns[None, :] <= last[:, None])  # (B, S + 1)
-    packed = np.empty(int(keep.sum()) + 1, dtype=np.int32)  # (D + 1,)
-    packed[0] = 0
-    packed[1:] = (cu_seqlens + shift)[keep]
-    out["cu_seqlens"] = packed
-    out["max_seqlen"] = np.array(np.asarray(fields["max_seqlen"]).max(), dtype=np.int32)  # 0-d
-    return out
+    ``boundary_format="thd"`` the packed boundaries (:func:`~tokenloom.serve.packed.pack_documents`),
+    and with context parallelism this rank's share of the packed documents
+    (:func:`~tokenloom.serve.packed.partition_documents`); else unchanged."""
+    if not (options.inter_document_masking and options.boundary_format == "thd"):
+        return fields
+    if cp_size > 1:
+        return partition_documents(fields, seq_length, cp_size, cp_rank)
+    return pack_documents(fields, seq_length)
 
 
 def check_pieces(source: SampleSource) -> None:
@@ -210,4 +185,4 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
 
 
 __all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "finish_micro_batch",
-           "pack_documents", "read_fields"]
+           "read_fields"]

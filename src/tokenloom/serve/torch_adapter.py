@@ -302,7 +302,10 @@ class DistributedBatches(RankSchedule):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
         if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
             batch = self._broadcast(batch)
-        return None if batch is None else finish_micro_batch(batch, self.options, self.source.seq_length)
+        if batch is None:
+            return None
+        return finish_micro_batch(batch, self.options, self.source.seq_length, cp_size=self.topology.cp,
+                                  cp_rank=self.plan.coordinates.cp_rank)
 
     def _broadcast(self, batch):
         if self._schema is None:
