@@ -20,11 +20,14 @@ Four tables:
    ``build_dataloader`` (one DataLoader item per micro-batch) and ``DistributedBatches`` (one item
    per optimizer step of ``--accumulation`` micro-batches, sliced in the main process).
 4. Document boundaries (``inter_document_masking``) at ``--boundary-seq-lengths`` (2048 and 8192):
-   tokenloom's micro-batches with megatron-core's ``cu_seqlens``/``max_seqlen`` (and with the packed
-   THD form) against the same pipeline without them, and against megatron-core's
-   ``BlendedDataset[i]`` with ``inter_document_masking=True`` (its per-document Python loop), the
-   rows taking turns over ``--rounds`` rounds (median kept) so that a noisy machine slows each
-   alike; the exact rows are checked field for field against megatron-core in the same run.
+   tokenloom's micro-batches (locate + the batch pipeline) with megatron-core's
+   ``cu_seqlens``/``max_seqlen`` and with the packed THD form, against the same pipeline without
+   them and against megatron-core's ``BlendedDataset[i]`` with ``inter_document_masking=True`` (its
+   per-document Python loop). The three tokenloom pipelines read the same micro-batch one after
+   the other, in a rotating order, so that a noisy machine slows each alike; over ``--rounds``
+   rounds (each with megatron-core's loop) the table gives the median time and what the fields add
+   as the median (and range) of each round's ratio to the plain pipeline. The boundaries are
+   checked field for field against megatron-core in the same run.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def bench_throughput(args, prefixes, directory) -> list[dict]:
 
 def bench_boundaries(args, prefixes, directory) -> list[dict]:
     """Table 4: the cost of the boundary fields, per micro-batch, and megatron-core's loop with them."""
-    from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, StoreBlendSource
+    from tokenloom.serve import BatchGeometry, BatchPipeline, RankLoader, SampleOptions, SampleStream, StoreBlendSource
 
     weights = [0.5, 0.3, 0.2][: len(prefixes)]
     n, micro = args.samples, args.micro_batch
@@ -157,32 +160,43 @@ def bench_boundaries(args, prefixes, directory) -> list[dict]:
         first = first.next_batch()
         for j in range(micro):  # the same samples, field for field
             for key, value in theirs[j].items():
-                if not np.array_equal(first[key][j], value.numpy()):
+                if not np.array_equal(first[key][j], np.asarray(value)):
                     raise SystemExit(f"seq {seq}: tokenloom differs from megatron-core at sample {j} field {key}")
         times: dict[str, list[float]] = {name: [] for name in ("megatron-core", *kinds)}
-        for _ in range(args.rounds):  # the readers take turns, so a noisy machine slows each alike
+        stream = SampleStream(exact)
+        pipelines = {name: BatchPipeline(exact, options=options) for name, options in kinds.items()}
+        for pipeline in pipelines.values():  # first use (numba's cache, the stores' pages) outside the timing
+            pipeline.read(*stream.locate(np.arange(micro)))
+        names = list(kinds)
+        for _ in range(args.rounds):
             start = time.perf_counter()
             for i in range(n):
                 theirs[i]
             times["megatron-core"].append(time.perf_counter() - start)
-            for name, options in kinds.items():
-                loader = RankLoader(exact, geometry, options=options, max_steps=n // micro)
-                loader.next_batch()  # first use (numba's cache, the stores' pages) outside the timing
-                start = time.perf_counter()
-                for _ in loader:
-                    pass
-                times[name].append((time.perf_counter() - start) * n / (n - micro))
+            # the kinds take turns micro-batch by micro-batch (in a rotating order), so that a
+            # noisy machine slows each alike; each reads the same positions
+            spent = dict.fromkeys(names, 0.0)
+            for k, begin in enumerate(range(0, n - micro + 1, micro)):
+                positions = np.arange(begin, begin + micro)
+                for name in names[k % len(names):] + names[:k % len(names)]:
+                    start = time.perf_counter()
+                    pipelines[name].read(*stream.locate(positions))
+                    spent[name] += time.perf_counter() - start
+            for name in names:
+                times[name].append(spent[name] * n / (n - n % micro))
         megatron_seconds = float(np.median(times["megatron-core"]))
-        plain_seconds = float(np.median(times["without boundaries"]))
+        plain = np.asarray(times["without boundaries"])
         for name, seconds in times.items():
+            paired = np.asarray(seconds) / plain - 1  # each round against the plain run of that round
             seconds = float(np.median(seconds))
             reader = ("megatron-core BlendedDataset[i] loop, inter_document_masking" if name == "megatron-core"
-                      else f"tokenloom RankLoader, exact, {name} (micro-batch {micro})")
+                      else f"tokenloom, exact, {name} (micro-batch {micro})")
             rows.append({"seq_length": seq, "reader": reader, "seconds": seconds, "samples_per_s": n / seconds,
                          "per_micro_batch_ms": 1e3 * seconds / (n / micro),
                          "vs_megatron": megatron_seconds / seconds,
-                         "added": None if name in ("megatron-core", "without boundaries")
-                         else seconds / plain_seconds - 1, "rounds": times[name]})
+                         "added": None if name in ("megatron-core", "without boundaries") else float(np.median(paired)),
+                         "added_range": None if name in ("megatron-core", "without boundaries")
+                         else [float(paired.min()), float(paired.max())], "rounds": times[name]})
     return rows
 
 
@@ -331,7 +345,7 @@ def main() -> None:
     parser.add_argument("--loader-seconds", type=float, default=10.0, help="how long the consumer runs")
     parser.add_argument("--boundary-seq-lengths", type=int, nargs="+", default=[2048, 8192],
                         help="sequence lengths of the boundary table")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the boundary table (median kept)")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of the boundary table (median kept)")
     parser.add_argument("--json", help="also write every table's rows here")
     parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "memory", "loader", "boundaries"])
     parser.add_argument("--directory", default=None, help="where to write the stores (default: a temp dir)")
@@ -360,7 +374,8 @@ def main() -> None:
             print("| seq | reader | samples/s | ms per micro-batch | vs megatron-core | added by the fields |")
             print("|---:|---|---:|---:|---:|---:|")
             for r in rows:
-                added = "-" if r["added"] is None else f"{100 * r['added']:+.1f}%"
+                added = ("-" if r["added"] is None else f"{100 * r['added']:+.1f}% "
+                         f"({100 * r['added_range'][0]:+.0f}..{100 * r['added_range'][1]:+.0f}%)")
                 print(f"| {r['seq_length']} | {r['reader']} | {r['samples_per_s']:,.0f} | "
                       f"{r['per_micro_batch_ms']:.3f} | {r['vs_megatron']:.1f}x | {added} |")
             print()

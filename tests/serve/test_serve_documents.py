@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from serve_fixtures import megatron_blended, write_store
-from tokenloom.errors import ConfigError, FormatError, InputError
+from tokenloom.errors import BuildError, ConfigError, FormatError, InputError
 from tokenloom.serve import (
     BatchGeometry,
     BatchPipeline,
@@ -450,9 +450,12 @@ def test_segment_ids_and_document_ids_number_the_documents(tmp_path_factory, seq
     (the valid split's short last sample); inputs_position restarts per document. Both backends."""
     directory = tmp_path_factory.mktemp("segments")
     prefixes = _corpus(directory, 2, seed=seed % 997, max_length=40, empty_rate=empty_rate)
-    source = StoreBlendSource.from_prefixes(prefixes, [0.5, 0.5], num_samples=30, seq_length=seq_length, seed=seed,
-                                            add_extra_token=extra, split="6,4,0", split_name="valid",
-                                            drop_last_partial=not keep_partial)
+    try:
+        source = StoreBlendSource.from_prefixes(prefixes, [0.5, 0.5], num_samples=30, seq_length=seq_length,
+                                                seed=seed, add_extra_token=extra, split="6,4,0", split_name="valid",
+                                                drop_last_partial=not keep_partial)
+    except BuildError:  # a split ending in an empty document keeps no short sample (megatron-core refuses it too)
+        assume(False)
     positions = np.array(data.draw(st.lists(st.integers(0, source.num_samples - 1), min_size=1, max_size=10)))
     segments = SampleOptions(inter_document_masking=True, boundary_format="segments")
     thd = SampleOptions(inter_document_masking=True, boundary_format="thd")
@@ -599,3 +602,20 @@ def test_context_parallel_loaders_and_distributed_batches_serve_the_thd_split(tm
                     np.testing.assert_array_equal(batch[name], expected[name], err_msg=f"{rank} {n} {name}")
                     np.testing.assert_array_equal(distributed[n][name].numpy(), batch[name],
                                                   err_msg=f"DistributedBatches {rank} {n} {name}")
+
+
+def test_the_packed_ends_are_the_same_without_numba(monkeypatch):
+    """The numpy fallback of the packing kernel (platforms without numba) against the kernel."""
+    import tokenloom.serve.packed as packed
+
+    rng = np.random.default_rng(3)
+    seq_length = 30
+    cu = np.full((5, seq_length + 1), seq_length, dtype=np.int32)
+    cu[:, 0] = 0
+    for row in cu:
+        cuts = np.sort(rng.integers(0, seq_length, int(rng.integers(0, 6))))
+        row[1:cuts.shape[0] + 1] = cuts
+    compiled_ends = packed._packed_ends(cu, seq_length)
+    monkeypatch.setattr(packed, "numba_available", lambda: False)
+    np.testing.assert_array_equal(packed._packed_ends(cu, seq_length), compiled_ends)
+    assert compiled_ends[0] == 0 and compiled_ends[-1] == 5 * seq_length

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenloom.index.kernels import compiled, jit, numba_available
+
 #: Per-token fields of a micro-batch (``(B, S)``) that the context-parallel split gathers, and
 #: what a padding position inside a document gets.
 SEQUENCE_FIELDS = {"tokens": 0, "labels": 0, "loss_mask": 0, "position_ids": None, "document_ids": None}
@@ -53,12 +55,38 @@ def pack_documents(fields: dict, seq_length: int) -> dict:
 
 
 def _packed_ends(cu_seqlens: np.ndarray, seq_length: int) -> np.ndarray:
-    """(D + 1,) int64: the micro-batch's documents laid end to end (as :func:`pack_documents`)."""
-    last = np.argmax(cu_seqlens == seq_length, axis=1)  # (B,)
-    columns = np.arange(cu_seqlens.shape[1])
-    keep = (columns[None, :] >= 1) & (columns[None, :] <= last[:, None])  # (B, S + 1)
-    shift = (np.arange(cu_seqlens.shape[0], dtype=np.int64) * seq_length)[:, None]
-    return np.concatenate([[0], (cu_seqlens.astype(np.int64) + shift)[keep]])
+    """(D + 1,) int64: the micro-batch's documents laid end to end (as :func:`pack_documents`).
+
+    A row holds a few documents and then ``S`` repeated up to ``S + 1`` entries, so only each
+    row's documents are visited (one compiled call where numba is installed; a micro-batch's dozen
+    small numpy calls would cost more than the rest of the boundary fields together)."""
+    cu_seqlens = np.ascontiguousarray(cu_seqlens)
+    if numba_available():
+        out = np.empty(cu_seqlens.shape[0] * (cu_seqlens.shape[1] - 1) + 1, dtype=np.int64)
+        count = compiled(_packed_ends_kernel)(cu_seqlens, np.int64(seq_length), out)
+        return out[:count]
+    end = cu_seqlens.dtype.type(seq_length)
+    last = np.array([np.searchsorted(row, end) for row in cu_seqlens], dtype=np.int64)  # (B,) first S of each row
+    width = int(last.max()) if last.size else 0
+    block = cu_seqlens[:, 1:width + 1].astype(np.int64)  # (B, width) the document ends, then S
+    block += (np.arange(cu_seqlens.shape[0], dtype=np.int64) * seq_length)[:, None]
+    keep = np.arange(width)[None, :] < last[:, None]  # (B, width)
+    return np.concatenate([np.zeros(1, dtype=np.int64), block[keep]])
+
+
+@jit(cache=True, nogil=True)
+def _packed_ends_kernel(cu_seqlens, seq_length, out):
+    """Write 0 and every row's document ends (up to its first ``seq_length``), shifted by
+    ``row x seq_length``, into ``out``; returns how many entries it wrote."""
+    out[0] = 0
+    count = 1
+    for r in range(cu_seqlens.shape[0]):
+        for j in range(1, cu_seqlens.shape[1]):
+            out[count] = np.int64(cu_seqlens[r, j]) + r * seq_length
+            count += 1
+            if cu_seqlens[r, j] == seq_length:
+                break
+    return count
 
 
 def partition_indices(cu_seqlens_padded: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:

@@ -268,33 +268,36 @@ def _document_fields_kernel(ends, counts, seq_length, add_extra_token, cu_seqlen
             return -2 - r
         if last_end > seq_length:
             return r
-        cu_seqlens[r, 0] = 0
+        cu_row = cu_seqlens[r]  # (S + 1,) a row view: the loops below compile to plain stores
+        cu_row[0] = 0
         for j in range(n - 1):
             end = np.int64(ends[r, j])
-            if end < cu_seqlens[r, j] or end > seq_length:
+            if end < cu_row[j] or end > seq_length:
                 return r
-            cu_seqlens[r, j + 1] = end
+            cu_row[j + 1] = end
         n = max(n, np.int64(1))  # a sample of padding alone is one document of padding
-        for j in range(n, seq_length + 1):  # the last document ends at S: a short sample's padding joins it
-            cu_seqlens[r, j] = seq_length
+        cu_row[n:] = seq_length  # the last document ends at S: a short sample's padding joins it
+        positions = position_ids[r]  # (S,)
         longest = 0
         for j in range(n):
-            start = np.int64(cu_seqlens[r, j])
-            stop = np.int64(cu_seqlens[r, j + 1])
-            longest = max(longest, stop - start)
-            for c in range(start, stop):
-                position_ids[r, c] = c - start
+            start = np.int64(cu_row[j])
+            length = np.int64(cu_row[j + 1]) - start
+            longest = max(longest, length)
+            for c in range(length):
+                positions[start + c] = c
         max_seqlen[r] = longest
         if want_segments:  # non-empty documents from 1; 0 past the row's tokens (padding)
-            tokens_end = np.int64(ends[r, counts[r] - 1])
+            tokens_end = min(np.int64(ends[r, counts[r] - 1]), seq_length)
+            row_segments = segments[r]  # (S,)
             segment = 0
             for j in range(n):
-                start = np.int64(cu_seqlens[r, j])
-                stop = np.int64(cu_seqlens[r, j + 1])
-                if stop > start:
+                start = np.int64(cu_row[j])
+                stop = min(np.int64(cu_row[j + 1]), tokens_end)
+                if cu_row[j + 1] > start:
                     segment += 1
                 for c in range(start, stop):
-                    segments[r, c] = segment if c < tokens_end else 0
+                    row_segments[c] = segment
+            row_segments[max(tokens_end, np.int64(0)):] = 0
     return -1
 
 
