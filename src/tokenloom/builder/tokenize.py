@@ -108,7 +108,8 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     failure, mine, files, record, tokenizer, runs = None, [], [], None, None, []
     try:
         files = discover_inputs(inputs, input_format=config.input_format)
-        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod)
+        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod,
+                                   engine=config.engine)
         record = tokenizer.record(append_eod=config.append_eod)
         runs = plan_pieces(files, config, world)
         mine = [count_lines(p.source.path, *p.byte_range) if p.byte_range is not None else 0 for p in runs[rank]]
@@ -169,7 +170,9 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     return TokenizeSummary(prefix=output, tokenizer=record, num_files=len(files), num_documents=documents,
                            num_tokens=tokens, num_empty=empty,
                            skipped={k: v for k, v in skipped.items() if v}, elapsed_s=time.perf_counter() - started,
-                           ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")))
+                           ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")),
+                           engine=getattr(tokenizer, "engine", "bytes"),
+                           engine_note=getattr(tokenizer, "engine_note", None))
 
 
 def _copy_into(source: str, target: str, offset: int) -> None:

@@ -67,6 +67,10 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     p.add_argument("--chunk-size", type=_byte_size, default=1 << 20, metavar="BYTES",
                    help="text per worker task, e.g. 512K, 4M (default 1M)")
+    p.add_argument("--engine", choices=("auto", "gigatoken", "hf"), default="auto",
+                   help="how a tokenizer.json encodes: gigatoken where it covers the tokenizer, else the "
+                   "tokenizers library (auto, the default), or force one; the ids are the same, and each "
+                   "process checks gigatoken against tokenizers on its first documents")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
@@ -110,6 +114,8 @@ def _format_summary(summary) -> str:
         f"tokenizer {record.name} (vocab {record.vocab_size:,}, "
         + (f"EOD {record.eod_id} appended)" if record.append_eod else "no EOD appended)")
     ]
+    if summary.engine != "bytes":
+        lines.append(f"engine {summary.engine}" + (f" ({summary.engine_note})" if summary.engine_note else ""))
     if summary.num_skipped:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
         lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")
@@ -135,6 +141,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         skip_bad=args.skip_bad,
         workers=args.workers,
         chunk_bytes=args.chunk_size,
+        engine=args.engine,
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the inputs divided over the ranks
         from tokenloom.builder.tokenize import tokenize_on_ranks
@@ -151,6 +158,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         if "end-of-document" in str(exc):
             raise ConfigError(f"{exc} (--eod-id ID, or --no-eod)") from exc
+        if "engine='hf'" in str(exc):
+            raise ConfigError(f"{exc} (--engine hf)") from exc
         raise
     except InputError as exc:
         if not args.skip_bad and re.match(r"^.+:(row )?\d+: ", str(exc)):

@@ -137,8 +137,11 @@ def build_fields(rows: np.ndarray, *, eod_ids, pad_id: int, add_extra_token: boo
     pieces (:class:`~tokenloom.source.protocol.PieceRows`), needed by ``inter_document_masking``
     (``describe_row``: row index -> its name in an error, see :func:`document_fields`).
     Returns tokens/labels/position_ids int64 ``(B, S)``, loss_mask float32 ``(B, S)``,
-    attention_mask bool ``(B, 1, S, S)`` when asked, cu_seqlens int32 ``(B, S + 1)`` and
-    max_seqlen int32 ``(B,)`` with ``inter_document_masking``.
+    attention_mask bool ``(B, 1, S, S)`` when asked, and with ``inter_document_masking`` the
+    fields of its ``boundary_format``: cu_seqlens int32 ``(B, S + 1)`` and max_seqlen int32
+    ``(B,)`` (``"megatron"``; ``"thd"`` adds document_ids int32 ``(B, S)`` and is packed per
+    micro-batch later), or inputs_segmentation and inputs_position int32 ``(B, S)``
+    (``"segments"``).
     """
     if options.inter_document_masking and pieces is None:
         raise ConfigError("inter_document_masking needs the rows' document pieces (pieces=(ends, counts), "

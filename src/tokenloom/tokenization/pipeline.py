@@ -29,6 +29,7 @@ import numpy as np
 
 from tokenloom.errors import BuildError, ConfigError, InputError
 from tokenloom.io import IndexedDatasetWriter, dtype_for_vocab
+from tokenloom.tokenization.engines import GUARD_CHARACTERS, check_engine, first_difference
 from tokenloom.tokenization.record import TokenizerRecord
 from tokenloom.tokenization.sources import (
     BAD_RECORD_REASONS,
@@ -88,7 +89,14 @@ class TokenizeConfig:
     chunk_bytes: int = 1 << 20
     """Text bytes per worker task; memory in flight is about ``2 * workers`` of them."""
 
+    engine: str = "auto"
+    """How a HuggingFace tokenizer.json encodes (:mod:`tokenloom.tokenization.engines`):
+    ``"auto"`` (gigatoken where it covers the tokenizer, else ``tokenizers``), ``"gigatoken"`` or
+    ``"hf"``. The ids, and so the store, are the same; each process holds gigatoken to
+    ``tokenizers`` on its first documents."""
+
     def __post_init__(self) -> None:
+        check_engine(self.engine)
         if self.input_format not in INPUT_FORMATS:
             raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
         if not self.text_key or not self.column:
@@ -138,6 +146,12 @@ class TokenizeSummary:
     parts_kept: int = 0
     """Of a divided run: ranks whose part an earlier run had finished with the same inputs."""
 
+    engine: str = "bytes"
+    """What encoded: ``"bytes"``, ``"gigatoken"`` or ``"hf"`` (the ``tokenizers`` library)."""
+
+    engine_note: str | None = None
+    """Why ``tokenizers`` encoded where ``engine="auto"`` could not take gigatoken."""
+
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
@@ -162,6 +176,9 @@ class _EncodeJob:
     eod_id: int | None
     dtype: str
     stop_at_bad: bool
+    guard: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Process id -> characters this run still holds gigatoken to ``tokenizers`` on (each worker
+    gets its own copy with the job, so every process of every run checks its first documents)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -211,7 +228,10 @@ def _encode_texts(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]
     """(tokens, lengths, bad records) for ``texts``; bad ones are left out of the result."""
     try:
         tokens, lengths = job.tokenizer.encode_batch(texts)
+        _guard(job, texts, where, (tokens, lengths))
         return tokens, lengths, []
+    except ConfigError:
+        raise
     except Exception as exc:
         bad = _unencodable(texts, where)
         if not bad:
@@ -219,8 +239,37 @@ def _encode_texts(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]
                              f"starting at {where[0][0]}:{where[0][1]}: {exc}") from exc
     rejected = {(b.path, b.line_number) for b in bad}
     keep = [i for i, loc in enumerate(where) if loc not in rejected]
-    tokens, lengths = job.tokenizer.encode_batch([texts[i] for i in keep])
+    kept = [texts[i] for i in keep]
+    tokens, lengths = job.tokenizer.encode_batch(kept)
+    _guard(job, kept, [where[i] for i in keep], (tokens, lengths))
     return tokens, lengths, bad
+
+
+def _guard(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]], encoded) -> None:
+    """Hold gigatoken to ``tokenizers`` on this run's first :data:`GUARD_CHARACTERS` of text in
+    this process: a ConfigError naming the first document (file:line) and position where they
+    differ."""
+    tokenizer = job.tokenizer
+    if getattr(tokenizer, "engine", None) != "gigatoken" or not texts:
+        return
+    left = job.guard.setdefault(os.getpid(), GUARD_CHARACTERS)
+    if left <= 0:
+        return
+    count, size = 0, 0
+    while count < len(texts) and size < left:  # the documents that make up the rest of the budget
+        size += len(texts[count])
+        count += 1
+    job.guard[os.getpid()] = left - size
+    lengths = encoded[1][:count]
+    ours = (encoded[0][:int(lengths.sum())], lengths)
+    found = first_difference(ours, tokenizer.encode_batch_reference(texts[:count]))
+    if found is not None:
+        document, position, got, expected = found
+        path, line = where[document]
+        raise ConfigError(
+            f"{path}:{line}: gigatoken and the tokenizers library encode this document differently from its "
+            f"token {position} on (gigatoken {got}, tokenizers {expected}) with {tokenizer.path}; nothing was "
+            "written. Encode with the tokenizers library (engine='hf'), and report the document to gigatoken")
 
 
 def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
@@ -415,7 +464,8 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
     divided run tokenizes); the store's metadata names ``files``."""
     started = time.perf_counter()
     if tokenizer is None:
-        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod)
+        tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod,
+                                   engine=config.engine)
     if config.append_eod and tokenizer.eod_id is None:
         raise ConfigError(f"tokenizer {tokenizer!r} has no end-of-document id; give one or do not append it")
     record = tokenizer.record(append_eod=config.append_eod)
@@ -463,6 +513,8 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         num_empty=num_empty,
         skipped=dict(metadata["source"]["skipped"]),
         elapsed_s=time.perf_counter() - started,
+        engine=getattr(tokenizer, "engine", "bytes"),
+        engine_note=getattr(tokenizer, "engine_note", None),
     )
     logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
                 dict(summary.skipped))

@@ -2,9 +2,10 @@
 
 Both turn a batch of strings into one concatenated id array plus per-text lengths, the
 shape the token store writer takes. ``load_tokenizer("bytes")`` needs nothing installed;
-``load_tokenizer("path/to/tokenizer.json")`` needs the ``tokenizers`` library
-(``pip install 'tokenloom[tokenizers]'``). Tokenizer objects pickle, so worker processes
-receive them whole.
+``load_tokenizer("path/to/tokenizer.json")`` needs the ``tokenizers`` library and encodes with
+gigatoken where gigatoken covers the tokenizer (both in ``pip install 'tokenloom[tokenizers]'``;
+:mod:`tokenloom.tokenization.engines`). Tokenizer objects pickle, so worker processes receive
+them whole.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.tokenization.engines import check_engine, open_gigatoken
 from tokenloom.tokenization.record import TokenizerRecord
 from tokenloom.validate import is_integer
 
@@ -139,11 +141,17 @@ class HuggingFaceTokenizer:
             ``eos_token`` or from the special tokens in ``EOD_TOKEN_CANDIDATES``.
         require_eod: raise ConfigError when no end-of-document id can be found.
 
+        engine: ``"auto"`` encodes with gigatoken where it covers the tokenizer and with
+            ``tokenizers`` where it does not (:mod:`tokenloom.tokenization.engines`);
+            ``"gigatoken"`` or ``"hf"`` forces one.
+
     Texts are encoded without the post-processor's special tokens (no BOS/CLS); the
-    pipeline appends the end-of-document id itself.
+    pipeline appends the end-of-document id itself. ``engine`` says which engine encodes and
+    ``engine_note`` why ``tokenizers`` does when gigatoken was not taken.
     """
 
-    def __init__(self, path: str, *, eod_id: int | None = None, require_eod: bool = True) -> None:
+    def __init__(self, path: str, *, eod_id: int | None = None, require_eod: bool = True,
+                 engine: str = "auto") -> None:
         tokenizers = _require_tokenizers()
         self.path = _resolve_tokenizer_json(os.fspath(path))
         with open(self.path, "rb") as f:
@@ -157,6 +165,13 @@ class HuggingFaceTokenizer:
         parent = os.path.basename(os.path.dirname(self.path))
         self.name = parent or os.path.basename(self.path)
         self.eod_id = self._find_eod_id(eod_id, require_eod)
+        self._fast, self.engine_note = None, None
+        if check_engine(engine) != "hf":
+            self._fast, self.engine_note = open_gigatoken(self.path)
+            if self._fast is None and engine == "gigatoken":
+                raise ConfigError(f"{self.path}: engine='gigatoken' but {self.engine_note}; encode it with the "
+                                  "tokenizers library (engine='hf')")
+        self.engine = "gigatoken" if self._fast is not None else "hf"
 
     def _find_eod_id(self, eod_id: int | None, require_eod: bool) -> int | None:
         if eod_id is not None:
@@ -180,6 +195,13 @@ class HuggingFaceTokenizer:
         return None
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._fast is not None:
+            return self._fast.encode_batch(texts)
+        return self.encode_batch_reference(texts)
+
+    def encode_batch_reference(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode_batch` by the ``tokenizers`` library, whatever the engine (what
+        gigatoken is held to)."""
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we do not need
         encode = getattr(self._tokenizer, "encode_batch_fast", None) or self._tokenizer.encode_batch
         encodings = encode(list(texts), add_special_tokens=False)
@@ -202,16 +224,24 @@ class HuggingFaceTokenizer:
         )
 
     def __repr__(self) -> str:
-        return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+        return (f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id}, "
+                f"engine={self.engine!r})")
+
+
+def _byte_tokenizer(spec: str, *, eod_id=None, require_eod=True, engine="auto") -> ByteTokenizer:
+    if check_engine(engine) != "auto":
+        raise ConfigError(f"engine={engine!r} with the byte tokenizer; engines apply to a HuggingFace "
+                          "tokenizer.json (the byte tokenizer is its own engine): leave engine='auto'")
+    return ByteTokenizer(eod_id=eod_id)
 
 
 TOKENIZERS: dict[str, Callable[..., Tokenizer]] = {
-    "bytes": lambda spec, *, eod_id=None, require_eod=True: ByteTokenizer(eod_id=eod_id),
-    "huggingface": lambda spec, *, eod_id=None, require_eod=True: HuggingFaceTokenizer(
-        spec, eod_id=eod_id, require_eod=require_eod
+    "bytes": _byte_tokenizer,
+    "huggingface": lambda spec, *, eod_id=None, require_eod=True, engine="auto": HuggingFaceTokenizer(
+        spec, eod_id=eod_id, require_eod=require_eod, engine=engine
     ),
 }
-"""Tokenizer kind -> factory(spec, eod_id=..., require_eod=...)."""
+"""Tokenizer kind -> factory(spec, eod_id=..., require_eod=..., engine=...)."""
 
 
 def tokenizer_kind(spec: str) -> str:
@@ -219,9 +249,11 @@ def tokenizer_kind(spec: str) -> str:
     return "bytes" if spec == "bytes" else "huggingface"
 
 
-def load_tokenizer(spec: str = "bytes", *, eod_id: int | None = None, require_eod: bool = True) -> Tokenizer:
-    """Load ``"bytes"`` or a HuggingFace tokenizer.json path (see ``HuggingFaceTokenizer``)."""
-    return TOKENIZERS[tokenizer_kind(spec)](spec, eod_id=eod_id, require_eod=require_eod)
+def load_tokenizer(spec: str = "bytes", *, eod_id: int | None = None, require_eod: bool = True,
+                   engine: str = "auto") -> Tokenizer:
+    """Load ``"bytes"`` or a HuggingFace tokenizer.json path (see ``HuggingFaceTokenizer``;
+    ``engine`` chooses how a tokenizer.json encodes)."""
+    return TOKENIZERS[tokenizer_kind(spec)](spec, eod_id=eod_id, require_eod=require_eod, engine=engine)
 
 
 __all__ = [

@@ -1,0 +1,104 @@
+"""Encoding engines for a HuggingFace ``tokenizer.json``: gigatoken where it covers the tokenizer,
+the ``tokenizers`` library where it does not.
+
+gigatoken encodes byte-level BPE (GPT-2, Llama 3 and the like) and SentencePiece-style BPE with
+byte fallback in Rust, many times faster per core than ``tokenizers``, with the same ids. It
+reads the same ``tokenizer.json`` and refuses, when loading it, what it does not implement (a
+Unigram or WordPiece model, a normalizer it lacks): that refusal is the decision. ``"auto"``
+takes gigatoken when it loads the file and says why not when it does not; ``"gigatoken"`` makes
+a refusal an error; ``"hf"`` always uses ``tokenizers``.
+
+A loaded file can still be encoded differently in a corner neither library documents, so the
+pipeline holds gigatoken to ``tokenizers`` on the first documents of every process
+(:data:`GUARD_CHARACTERS` of text, :func:`first_difference`) and stops the run, before a store
+exists, at the first document whose ids differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+
+ENGINES = ("auto", "gigatoken", "hf")
+"""``TokenizeConfig.engine`` values: choose from the tokenizer's configuration, or force one."""
+
+GUARD_CHARACTERS = 256 * 1024
+"""Characters of text each process encodes with both engines before it trusts gigatoken alone
+(about a tenth of a second of ``tokenizers`` time)."""
+
+
+class GigatokenEncoder:
+    """gigatoken's encoder for one ``tokenizer.json``; pickles as its path (a worker process
+    loads the file again: gigatoken's Rust tokenizer does not pickle)."""
+
+    def __init__(self, path: str) -> None:
+        import gigatoken
+
+        self.path = path
+        self._tokenizer = gigatoken.Tokenizer(path)
+
+    def __reduce__(self):
+        return (GigatokenEncoder, (self.path,))
+
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens (T,) int64 concatenated, lengths (len(texts),) int64), as
+        ``HuggingFaceTokenizer.encode_batch`` returns them. gigatoken decides its own threading:
+        a thread pool in the main process, the calling thread inside a worker process."""
+        encoded = self._tokenizer.encode_batch(list(texts))
+        layout = encoded.layout  # documents x ids
+        if not hasattr(layout, "offsets"):  # not one offsets array: lay it out as one
+            import awkward
+
+            layout = awkward.to_packed(encoded).layout
+        offsets = np.asarray(layout.offsets.data, dtype=np.int64)  # (len(texts) + 1,)
+        tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]].astype(np.int64)  # (T,)
+        return tokens, np.diff(offsets)
+
+
+def open_gigatoken(path: str) -> tuple[GigatokenEncoder | None, str | None]:
+    """``(encoder, None)`` when gigatoken loads ``path``; else ``(None, why not)``."""
+    try:
+        import gigatoken  # noqa: F401 - only whether it is installed
+    except ImportError:
+        return None, "gigatoken is not installed (pip install 'tokenloom[tokenizers]')"
+    try:
+        return GigatokenEncoder(path), None
+    except Exception as exc:  # gigatoken raises RuntimeError naming what it does not implement
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"gigatoken does not cover this tokenizer: {reason}"
+
+
+def check_engine(engine: str) -> str:
+    """``engine`` when it is one of :data:`ENGINES`; else a ConfigError."""
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r}; expected one of {list(ENGINES)}")
+    return engine
+
+
+def first_difference(ours: tuple[np.ndarray, np.ndarray],
+                     reference: tuple[np.ndarray, np.ndarray]) -> tuple[int, int, int | None, int | None] | None:
+    """Where two ``encode_batch`` results first differ: ``(document, position, id, reference id)``
+    (an id is None where that side's document has ended), or None when they are equal."""
+    tokens, lengths = ours
+    expected_tokens, expected_lengths = reference
+    if np.array_equal(lengths, expected_lengths) and np.array_equal(tokens, expected_tokens):
+        return None
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    expected_starts = np.concatenate([[0], np.cumsum(expected_lengths)])
+    for document in range(lengths.shape[0]):
+        a = tokens[starts[document]:starts[document + 1]]
+        b = expected_tokens[expected_starts[document]:expected_starts[document + 1]]
+        if np.array_equal(a, b):
+            continue
+        common = min(a.shape[0], b.shape[0])
+        unequal = np.flatnonzero(a[:common] != b[:common])
+        position = int(unequal[0]) if unequal.size else common
+        return (document, position, int(a[position]) if position < a.shape[0] else None,
+                int(b[position]) if position < b.shape[0] else None)
+    return None  # pragma: no cover - equal documents cannot make unequal arrays
+
+
+__all__ = ["ENGINES", "GUARD_CHARACTERS", "GigatokenEncoder", "check_engine", "first_difference", "open_gigatoken"]

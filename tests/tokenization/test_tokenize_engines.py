@@ -1,0 +1,203 @@
+"""Encoding engines: gigatoken where it covers a tokenizer.json, the tokenizers library where it
+does not, the same ids either way, and a guard that stops a run at the first difference.
+
+Tokenizers of five families are trained here on standard-library sources (no downloads): GPT-2
+style byte-level BPE, a Llama-3 style split regex before byte-level BPE, SentencePiece-style BPE
+with byte fallback (all three covered by gigatoken), and a Unigram model and an NFKC-normalised
+BPE, which gigatoken refuses, so they must fall back and say so.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("gigatoken")
+
+from tokenloom.cli import main as cli_main  # noqa: E402
+from tokenloom.errors import ConfigError  # noqa: E402
+from tokenloom.tokenization import TokenizeConfig, engines, load_tokenizer, tokenize_to_store  # noqa: E402
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+COVERED = ("gpt2", "llama3", "sentencepiece_bpe")
+NOT_COVERED = ("unigram", "bpe_nfkc")
+
+TRICKY = [
+    "",
+    "a",
+    "héllo wörld: e\u0301 (NFD) é (NFC), Å Å, ﬁ ligature, Ｆｕｌｌｗｉｄｔｈ, ① ², ǅ",
+    "emoji 😀 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️",
+    "中文分词 日本語のテキスト 한국어 텍스트 ไทย العربية עברית",
+    " " * 5000 + "x" + "\n" * 3000 + "\t" * 100 + "\r\n" * 50,
+    "\x00\x01\x02\x1b[31mred\x1b[0m\x7f\x85\u2028\u2029\ufeff",
+    "x <|endoftext|> y <|endoftext|><|endoftext|>",
+    "it's they're we've I'm you'll he'd IT'S 1234567 3.14159 0x1F",
+    "def f(x):\n    return x ** 2  # comment\n\n\nclass A:\n\tpass\n",
+]
+
+
+def _corpus_files() -> list[str]:
+    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:60]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory) -> dict[str, str]:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("engines")
+    files = _corpus_files()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    out = {}
+
+    def bpe(name, pre_tokenizer, *, normalizer=None, byte_fallback=False, decoder=None, initial=alphabet):
+        model = models.BPE(byte_fallback=True, unk_token="<unk>") if byte_fallback else models.BPE()
+        tokenizer = Tokenizer(model)
+        tokenizer.pre_tokenizer = pre_tokenizer
+        if normalizer is not None:
+            tokenizer.normalizer = normalizer
+        if decoder is not None:
+            tokenizer.decoder = decoder
+        special = ["<|endoftext|>"] + (["<unk>"] + [f"<0x{i:02X}>" for i in range(256)] if byte_fallback else [])
+        tokenizer.train(files, trainers.BpeTrainer(vocab_size=2000, special_tokens=special, initial_alphabet=initial,
+                                                   show_progress=False))
+        out[name] = str(directory / f"{name}.json")
+        tokenizer.save(out[name])
+
+    bpe("gpt2", pre_tokenizers.ByteLevel(add_prefix_space=False), decoder=decoders.ByteLevel())
+    bpe("llama3", pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        decoder=decoders.ByteLevel())
+    bpe("sentencepiece_bpe", pre_tokenizers.Metaspace(), byte_fallback=True, initial=[],
+        decoder=decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()]))
+    bpe("bpe_nfkc", pre_tokenizers.ByteLevel(add_prefix_space=False), normalizer=normalizers.NFKC())
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.train(files, trainers.UnigramTrainer(vocab_size=1500, special_tokens=["<|endoftext|>", "<unk>"],
+                                                 unk_token="<unk>", show_progress=False))
+    out["unigram"] = str(directory / "unigram.json")
+    unigram.save(out["unigram"])
+    return out
+
+
+def _reference(path: str, texts) -> list[list[int]]:
+    tokenizer = tokenizers.Tokenizer.from_file(path)
+    return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def _split(tokens, lengths) -> list[list[int]]:
+    return [part.tolist() for part in np.split(tokens, np.cumsum(lengths)[:-1])] if len(lengths) else []
+
+
+def test_auto_takes_gigatoken_where_it_covers_the_tokenizer_and_says_why_not_elsewhere(tokenizer_files):
+    for name in COVERED:
+        tokenizer = load_tokenizer(tokenizer_files[name])
+        assert (tokenizer.engine, tokenizer.engine_note) == ("gigatoken", None), name
+    for name, why in (("unigram", 'Unsupported model type "Unigram"'), ("bpe_nfkc", "Unsupported normalizer")):
+        tokenizer = load_tokenizer(tokenizer_files[name])
+        assert tokenizer.engine == "hf", name
+        assert tokenizer.engine_note.startswith("gigatoken does not cover this tokenizer:") and why in \
+            tokenizer.engine_note, tokenizer.engine_note
+        assert load_tokenizer(tokenizer_files[name], engine="hf").engine_note is None
+    assert load_tokenizer(tokenizer_files["gpt2"], engine="hf").engine == "hf"
+
+
+def test_forcing_an_engine_that_cannot_run_is_refused_by_name(tokenizer_files):
+    with pytest.raises(ConfigError, match=r"unigram.json: engine='gigatoken' but gigatoken does not cover this "
+                                          r"tokenizer: Unsupported model type \"Unigram\".*engine='hf'"):
+        load_tokenizer(tokenizer_files["unigram"], engine="gigatoken")
+    with pytest.raises(ConfigError, match="engine='fast'; expected one of"):
+        TokenizeConfig(engine="fast")
+    with pytest.raises(ConfigError, match="engine='hf' with the byte tokenizer"):
+        load_tokenizer("bytes", engine="hf")
+
+
+@pytest.mark.parametrize("name", COVERED + NOT_COVERED)
+def test_every_family_encodes_the_tricky_texts_as_the_tokenizers_library_does(tokenizer_files, name):
+    tokenizer = load_tokenizer(tokenizer_files[name])
+    texts = [*TRICKY, "".join(open(f, encoding="utf-8").read() for f in _corpus_files()[:30])]  # ~1 MB
+    assert len(texts[-1]) > 500_000
+    assert _split(*tokenizer.encode_batch(texts)) == _reference(tokenizer_files[name], texts)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=300), min_size=1,
+                      max_size=6))
+def test_random_text_gets_the_same_ids_from_gigatoken(tokenizer_files, texts):
+    for name in COVERED:
+        tokenizer = load_tokenizer(tokenizer_files[name])
+        assert tokenizer.engine == "gigatoken"
+        assert _split(*tokenizer.encode_batch(texts)) == _reference(tokenizer_files[name], texts), name
+
+
+def _jsonl(path, texts) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+        f.write('{"text": "a lone surrogate \\ud800 in JSON"}\n')  # skipped by both engines alike
+        f.write(json.dumps({"text": "the end"}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "sentencepiece_bpe"])
+def test_a_store_made_with_gigatoken_is_byte_identical_to_one_made_with_tokenizers(tokenizer_files, tmp_path, name):
+    texts = TRICKY + [open(f, encoding="utf-8").read() for f in _corpus_files()[:40]]
+    source = _jsonl(tmp_path / "in.jsonl", texts)
+    made = {}
+    for engine, workers in (("gigatoken", 0), ("gigatoken", 2), ("hf", 0)):
+        prefix = str(tmp_path / f"{engine}-{workers}")
+        summary = tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files[name], engine=engine,
+                                                                     workers=workers, skip_bad=True,
+                                                                     chunk_bytes=64 * 1024))
+        assert summary.engine == engine and summary.skipped == {"invalid_unicode": 1}
+        made[(engine, workers)] = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx", ".meta.json")}
+    assert made[("gigatoken", 0)] == made[("hf", 0)] == made[("gigatoken", 2)]
+
+
+def test_the_guard_stops_a_run_at_the_first_document_the_engines_disagree_on(tokenizer_files, tmp_path, monkeypatch):
+    """gigatoken made to get one id of the third document wrong: the run stops naming file:line
+    and the position, and no store is left."""
+    original = engines.GigatokenEncoder.encode_batch
+
+    def wrong_in_the_third(self, texts):
+        tokens, lengths = original(self, texts)
+        if len(texts) > 2 and lengths[2] > 4:
+            tokens = tokens.copy()
+            tokens[lengths[:2].sum() + 4] += 1
+        return tokens, lengths
+
+    monkeypatch.setattr(engines.GigatokenEncoder, "encode_batch", wrong_in_the_third)
+    source = _jsonl(tmp_path / "in.jsonl", ["first document", "second one", "the third document, long enough"])
+    prefix = str(tmp_path / "store")
+    with pytest.raises(ConfigError, match=r"in.jsonl:3: gigatoken and the tokenizers library encode this document "
+                                          r"differently from its token 4 on .*nothing was written.*engine='hf'"):
+        tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files["gpt2"], workers=0,
+                                                           skip_bad=True))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("store")]
+    # past the guard's budget a run trusts gigatoken: the wrong id is not looked for there
+    from tokenloom.tokenization import pipeline
+
+    monkeypatch.setattr(pipeline, "GUARD_CHARACTERS", 10)  # the first document only
+    tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files["gpt2"], workers=0, skip_bad=True))
+    assert os.path.exists(prefix + ".bin")
+
+
+def test_the_command_says_which_engine_ran_and_maps_a_refusal_to_its_flag(tokenizer_files, tmp_path, capsys):
+    source = _jsonl(tmp_path / "in.jsonl", ["some text", "more text"])
+    assert cli_main(["tokenize", source, "-o", str(tmp_path / "a"), "--tokenizer", tokenizer_files["gpt2"],
+                     "--workers", "0", "--skip-bad", "-q"]) == 0
+    assert "engine gigatoken" in capsys.readouterr().out
+    assert cli_main(["tokenize", source, "-o", str(tmp_path / "b"), "--tokenizer", tokenizer_files["unigram"],
+                     "--workers", "0", "--skip-bad", "-q"]) == 0
+    assert 'engine hf (gigatoken does not cover this tokenizer: Unsupported model type "Unigram"' in \
+        capsys.readouterr().out
+    assert cli_main(["tokenize", source, "-o", str(tmp_path / "c"), "--tokenizer", tokenizer_files["unigram"],
+                     "--engine", "gigatoken", "--workers", "0", "-q"]) == 2
+    assert "(--engine hf)" in capsys.readouterr().err
