@@ -38,14 +38,19 @@ MASKING = SampleOptions(inter_document_masking=True)
 
 
 def _corpus(directory, num_stores: int, *, seed: int, max_length: int, empty_rate: float) -> list[str]:
-    """Stores whose documents end in EOD, ``empty_rate`` of them empty, lengths up to ``max_length``
-    (longer than a sample when ``max_length`` exceeds the sequence length)."""
+    """Stores whose documents end in EOD, ``empty_rate`` of the first 70% of them empty, lengths up
+    to ``max_length`` (longer than a sample when ``max_length`` exceeds the sequence length).
+
+    The last 30% hold no empty document: megatron-core 0.19.2's ``GPTDataset._get_num_epochs``
+    loops forever on a split whose documents are all empty (it adds epochs of zero tokens until
+    they reach the tokens asked for), and a validation or test split is that tail."""
     rng = np.random.default_rng(seed)
     prefixes = []
     for k in range(num_stores):
         docs = []
-        for _ in range(25 + 5 * k):
-            if rng.random() < empty_rate:
+        count = 25 + 5 * k
+        for index in range(count):
+            if index < 0.7 * count and rng.random() < empty_rate:
                 docs.append(np.zeros(0, dtype=np.int64))
                 continue
             doc = rng.integers(0, EOD, size=int(rng.integers(1, max_length + 1)))
