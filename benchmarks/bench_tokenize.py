@@ -1,15 +1,18 @@
-"""Benchmark: `tokenloom tokenize` vs the HuggingFace tokenizer's own batch encode.
+"""Benchmark: `tokenloom tokenize` vs the HuggingFace tokenizer's and gigatoken's own batch encodes.
 
 Builds a real ~32k-vocabulary byte-level BPE tokenizer by training one with the `tokenizers`
 library on the Python standard library's sources (cached in --workdir), writes tens of MB
 of those sources as JSONL documents, then measures on that same text, in one run:
 
-* peer: `Tokenizer.encode_batch` / `encode_batch_fast` on ~1 MiB batches of the texts
-  already in memory (ids extracted, as any user needs them), single-threaded
-  (TOKENIZERS_PARALLELISM=false) and with the library's own thread pool;
+* peers: `tokenizers`' `Tokenizer.encode_batch` / `encode_batch_fast` on ~1 MiB batches of
+  the texts already in memory (ids extracted, as any user needs them), single-threaded
+  (TOKENIZERS_PARALLELISM=false) and with the library's own thread pool; gigatoken's
+  `Tokenizer.encode_batch` on the same batches (ids as one numpy array), on the calling thread
+  and with its own thread pool;
 * tokenloom: `tokenize_to_store` from the JSONL file to a finished token store
   (reading, JSON parsing, encoding, EOD, writing, worker start-up all included) with
-  1, 2, ... worker processes.
+  1, 2, ... worker processes, with the engine it picks (gigatoken here) and with
+  `engine="hf"` (the tokenizers library).
 
 Prints a markdown table with tokens/s, tokens/s per core and the ratio to the peer.
 Not collected by pytest. Run it under the shared lock:
@@ -117,6 +120,21 @@ def _peer_encode(tokenizer, batches, method: str, parallel: bool) -> tuple[float
     return time.perf_counter() - wall, _cpu_seconds() - cpu, num_tokens
 
 
+def _gigatoken_encode(path: str, batches, parallel: bool) -> tuple[float, float, int]:
+    """(wall s, CPU s, tokens) of gigatoken encoding every batch, its ids as numpy arrays."""
+    import gigatoken
+    import numpy as np
+
+    tokenizer = gigatoken.Tokenizer(path)
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    num_tokens = 0
+    for batch in batches:
+        layout = tokenizer.encode_batch(batch, parallel=parallel).layout
+        ids = np.asarray(layout.content.data)  # (tokens,) uint32, documents back to back
+        num_tokens += int(layout.offsets.data[-1] - layout.offsets.data[0]) if ids.size else 0
+    return time.perf_counter() - wall, _cpu_seconds() - cpu, num_tokens
+
+
 def _tokenloom(jsonl_path, prefix, config) -> tuple[float, float, int]:
     """(wall s, CPU s, tokens) of a whole tokenize run; tokens without the appended EODs."""
     from tokenloom.tokenization import tokenize_to_store
@@ -179,11 +197,17 @@ def main() -> int:
         if hasattr(tokenizer, method):
             runs[label] = (os.cpu_count() if parallel else 1,
                            lambda m=method, p=parallel: _peer_encode(tokenizer, batches, m, p))
-    for workers in args.workers:
-        config = TokenizeConfig(tokenizer=tokenizer_path, workers=workers, chunk_bytes=args.chunk_bytes)
-        prefix = os.path.join(args.workdir, f"store_w{workers}")
-        runs[f"tokenloom tokenize, {workers} worker{'s' if workers > 1 else ''}"] = (
-            workers, lambda c=config, p=prefix: _tokenloom(jsonl_path, p, c))
+    runs["peer: gigatoken encode_batch"] = (1, lambda: _gigatoken_encode(tokenizer_path, batches, False))
+    runs["peer: gigatoken encode_batch, own thread pool"] = (
+        os.cpu_count(), lambda: _gigatoken_encode(tokenizer_path, batches, True))
+    for engine in ("auto", "hf"):
+        for workers in args.workers if engine == "auto" else args.workers[:1]:
+            config = TokenizeConfig(tokenizer=tokenizer_path, workers=workers, chunk_bytes=args.chunk_bytes,
+                                    engine=engine)
+            prefix = os.path.join(args.workdir, f"store_{engine}_w{workers}")
+            name = "gigatoken" if engine == "auto" else "tokenizers"
+            runs[f"tokenloom tokenize ({name}), {workers} worker{'s' if workers > 1 else ''}"] = (
+                workers, lambda c=config, p=prefix: _tokenloom(jsonl_path, p, c))
     # Interleave the repeats so a burst of load from other processes hits every row alike;
     # keep each row's best wall time and best CPU time.
     best: dict[str, list[float]] = {}
@@ -193,8 +217,10 @@ def main() -> int:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
             old = best.get(label, [float("inf"), float("inf"), num_tokens])
             best[label] = [min(old[0], wall), min(old[1], cpu), num_tokens]
-    peer_label = min((k for k in best if k.startswith("peer") and "thread pool" not in k), key=lambda k: best[k][0])
-    peer_wall, peer_cpu, peer_tokens = best[peer_label]
+    peer_label = min((k for k in best if k.startswith("peer: tokenizers") and "thread pool" not in k),
+                     key=lambda k: best[k][0])
+    _, peer_cpu, peer_tokens = best[peer_label]
+    _, giga_cpu, giga_tokens = best["peer: gigatoken encode_batch"]
 
     text_mb = sum(len(t.encode()) for t in texts) / 1e6
     print(f"machine: {_cpu_model()}, {os.cpu_count()} cores, "
@@ -204,14 +230,14 @@ def main() -> int:
           f"tokenizer: byte-level BPE, vocab {tokenizer.get_vocab_size():,}, trained on the same sources; "
           f"best of {args.repeats}")
     print()
-    print("| run | cores | wall s | CPU s | tokens | tokens/s | tokens per CPU-second | tokens/s vs peer "
-          "| per CPU-second vs peer |")
+    print("| run | cores | wall s | CPU s | tokens | tokens/s | tokens per CPU-second "
+          "| per CPU-second vs tokenizers | per CPU-second vs gigatoken |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, (cores, _) in runs.items():
         wall, cpu, num_tokens = best[label]
         print(f"| {label} | {cores} | {wall:.2f} | {cpu:.2f} | {num_tokens:,} | {num_tokens / wall:,.0f} | "
-              f"{num_tokens / cpu:,.0f} | {(num_tokens / wall) / (peer_tokens / peer_wall):.2f}x | "
-              f"{(num_tokens / cpu) / (peer_tokens / peer_cpu):.2f}x |")
+              f"{num_tokens / cpu:,.0f} | {(num_tokens / cpu) / (peer_tokens / peer_cpu):.2f}x | "
+              f"{(num_tokens / cpu) / (giga_tokens / giga_cpu):.2f}x |")
     print()
     print(f"peer = {peer_label[6:]}, single-threaded (the faster single-threaded peer row); tokenloom token "
           "counts leave out the EOD id it appends per document; tokenloom times include reading and "
