@@ -1,4 +1,5 @@
-"""Run by test_serve_jax.py: one of 2 JAX processes, 4 CPU devices each, records its shards."""
+"""Run by test_serve_jax.py: one of 2 JAX processes, 4 CPU devices each, records its shards (with
+MaxText's packed-input fields, inputs_segmentation and inputs_position)."""
 
 import json
 import sys
@@ -19,7 +20,8 @@ def main() -> None:
         source = StoreBlendSource.from_prefixes(config["prefixes"], [0.3, 0.7], num_samples=300, seq_length=8, seed=2)
         mesh = jax.make_mesh((jax.device_count(),), ("data",))
         loader = HostLoader(source, global_batch_size=16, shard=ShardOptions.from_jax(),
-                            options=SampleOptions(reset_position_ids=True, eod_mask_loss=True), max_steps=3)
+                            options=SampleOptions(eod_mask_loss=True, inter_document_masking=True,
+                                                  boundary_format="segments"), max_steps=3)
         shards = []
         for step, host_batch in enumerate(loader):
             batch = make_global_batch(host_batch, mesh)

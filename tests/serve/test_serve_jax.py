@@ -1,4 +1,5 @@
-"""The JAX adapter: per-process shards, and global arrays over 2 processes x 4 CPU devices."""
+"""The JAX adapter: per-process shards, and global arrays over 2 processes x 4 CPU devices (with
+MaxText's inputs_segmentation and inputs_position)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tokenloom.serve import SampleOptions, StoreBlendSource
 from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
 
 OPTIONS = SampleOptions(reset_position_ids=True, eod_mask_loss=True)
+SEGMENTS = SampleOptions(eod_mask_loss=True, inter_document_masking=True, boundary_format="segments")
+"""MaxText's packed inputs (the two-process test's options, as jax_serve_worker.py sets them)."""
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +88,16 @@ def test_two_processes_four_cpu_devices_make_one_global_array(prefixes, tmp_path
     for p, output in zip(processes, outputs):
         assert p.returncode == 0, output[-3000:]
     whole = list(HostLoader(_source(prefixes), global_batch_size=16, shard=ShardOptions(shard_index=0, shard_count=1),
-                            options=OPTIONS, max_steps=3))
+                            options=SEGMENTS, max_steps=3))
     seen = np.zeros((3, 16), dtype=int)
+    fields = set()
     for p in range(2):
         record = json.loads((tmp_path / f"process{p}.json").read_text())
         assert record["local_devices"] == 4 and record["global_shape"] == [16, 8]
         for step, field, start, stop, rows in record["shards"]:
+            fields.add(field)
             np.testing.assert_array_equal(np.array(rows), whole[step][field][start:stop])
             if field == "tokens":
                 seen[step, start:stop] += 1
     assert (seen == 1).all()  # the 8 devices together hold every row of the global batch once
+    assert {"inputs_segmentation", "inputs_position", "tokens", "labels", "loss_mask"} <= fields
