@@ -73,7 +73,7 @@ class BatchPipeline:
         self.options = options
         self.fields = None if fields is None else tuple(fields)
         self.cp_size, self.cp_rank = cp_size, cp_rank
-        self._packed = options.inter_document_masking and options.boundary_format == "thd"
+        self._packed = options.boundary_format == "thd"  # SampleOptions: "thd" implies inter_document_masking
         """Packed THD: a context-parallel rank's share is cut per document in step 6, not here."""
         self._eod_ids = np.array([-1 if d.eod_id is None else d.eod_id for d in source.datasets],
                                  dtype=np.int64)  # (num_datasets,) -1: no EOD id
@@ -156,7 +156,7 @@ def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int, *,
     ``boundary_format="thd"`` the packed boundaries (:func:`~tokenloom.serve.packed.pack_documents`),
     and with context parallelism this rank's share of the packed documents
     (:func:`~tokenloom.serve.packed.partition_documents`); else unchanged."""
-    if not (options.inter_document_masking and options.boundary_format == "thd"):
+    if options.boundary_format != "thd":
         return fields
     if cp_size > 1:
         return partition_documents(fields, seq_length, cp_size, cp_rank)

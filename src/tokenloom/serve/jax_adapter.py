@@ -73,7 +73,7 @@ class HostLoader:
     def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
                  max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:
         self.shard = ShardOptions.of(shard)
-        if options.inter_document_masking and options.boundary_format == "thd":
+        if options.boundary_format == "thd":
             raise ConfigError("SampleOptions(boundary_format='thd') packs a micro-batch into one sequence whose "
                               "length varies, which no global jax.Array of rows can hold; expected "
                               "boundary_format='segments' (MaxText's inputs_segmentation and inputs_position) or "
