@@ -103,7 +103,8 @@ def test_no_cycle_between_parts():
                                     "tokenloom.tokenization", "tokenloom.cli"])
 def test_importing_loads_no_heavy_dependency(module):
     code = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'jax', 'numba', 'tokenizers', 'gigatoken', "
-            "'awkward', 'pyarrow', 'matplotlib', 'boto3', 'botocore') if m in sys.modules); print(','.join(heavy))")
+            "'awkward', 'orjson', 'pyarrow', 'matplotlib', 'boto3', 'botocore') if m in sys.modules); "
+            "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {module} imported {out}"
 
@@ -113,8 +114,8 @@ def test_importing_loads_no_heavy_dependency(module):
 #: module, the heavy dependencies its import loaded, and which are loaded at the end.
 IMPORT_EVERY_MODULE = r"""
 import importlib, importlib.util, json, sys
-heavy = ("torch", "jax", "numba", "llvmlite", "tokenizers", "gigatoken", "awkward", "pyarrow", "matplotlib", "boto3",
-         "botocore")
+heavy = ("torch", "jax", "numba", "llvmlite", "tokenizers", "gigatoken", "awkward", "orjson", "pyarrow", "matplotlib",
+         "boto3", "botocore")
 loaded = {}
 for name in sys.argv[1:]:
     before = {m for m in heavy if m in sys.modules}

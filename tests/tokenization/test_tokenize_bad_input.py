@@ -79,9 +79,10 @@ def test_first_bad_record_in_input_order_is_reported_across_workers_and_chunks(t
     path = tmp_path / "many.jsonl"
     path.write_text("\n".join(lines) + "\n")
     prefix = str(tmp_path / "out")
-    with pytest.raises(InputError, match=rf"^{path}:1235: 'text' is a number"):
-        tokenize_to_store([str(path)], prefix, TokenizeConfig(workers=2, chunk_bytes=500))
-    assert _no_store(prefix)
+    for threads in (False, True):
+        with pytest.raises(InputError, match=rf"^{path}:1235: 'text' is a number"):
+            tokenize_to_store([str(path)], prefix, TokenizeConfig(workers=2, threads=threads, chunk_bytes=500))
+        assert _no_store(prefix)
     summary = tokenize_to_store([str(path)], prefix, TokenizeConfig(workers=2, chunk_bytes=500, skip_bad=True))
     assert dict(summary.skipped) == {"not_a_string": 1, "malformed_json": 1}
     assert summary.num_documents == 2998

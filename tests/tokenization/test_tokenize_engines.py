@@ -23,7 +23,7 @@ pytest.importorskip("gigatoken")
 
 from tokenloom.cli import main as cli_main  # noqa: E402
 from tokenloom.errors import ConfigError  # noqa: E402
-from tokenloom.tokenization import TokenizeConfig, engines, load_tokenizer, tokenize_to_store  # noqa: E402
+from tokenloom.tokenization import TokenizeConfig, engines, load_tokenizer, pipeline, tokenize_to_store  # noqa: E402
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -151,14 +151,16 @@ def test_a_store_made_with_gigatoken_is_byte_identical_to_one_made_with_tokenize
     texts = TRICKY + [open(f, encoding="utf-8").read() for f in _corpus_files()[:40]]
     source = _jsonl(tmp_path / "in.jsonl", texts)
     made = {}
-    for engine, workers in (("gigatoken", 0), ("gigatoken", 2), ("hf", 0)):
-        prefix = str(tmp_path / f"{engine}-{workers}")
+    runs = (("gigatoken", 0, False), ("gigatoken", 2, False), ("gigatoken", 3, True), ("hf", 0, False))
+    for engine, workers, threads in runs:
+        prefix = str(tmp_path / f"{engine}-{workers}-{threads}")
         summary = tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files[name], engine=engine,
-                                                                     workers=workers, skip_bad=True,
+                                                                     workers=workers, threads=threads, skip_bad=True,
                                                                      chunk_bytes=64 * 1024))
         assert summary.engine == engine and summary.skipped == {"invalid_unicode": 1}
-        made[(engine, workers)] = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx", ".meta.json")}
-    assert made[("gigatoken", 0)] == made[("hf", 0)] == made[("gigatoken", 2)]
+        made[runs.index((engine, workers, threads))] = {
+            ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx", ".meta.json")}
+    assert made[0] == made[1] == made[2] == made[3]
 
 
 def test_the_guard_stops_a_run_at_the_first_document_the_engines_disagree_on(tokenizer_files, tmp_path, monkeypatch):
@@ -168,32 +170,54 @@ def test_the_guard_stops_a_run_at_the_first_document_the_engines_disagree_on(tok
 
     def wrong_in_the_third(self, texts):
         tokens, lengths = original(self, texts)
-        if len(texts) > 2 and lengths[2] > 4:
-            tokens = tokens.copy()
-            tokens[lengths[:2].sum() + 4] += 1
+        for i, text in enumerate(texts):
+            if text.startswith("the third"):
+                tokens = tokens.copy()
+                tokens[lengths[:i].sum() + 4] += 1
         return tokens, lengths
 
     monkeypatch.setattr(engines.GigatokenEncoder, "encode_batch", wrong_in_the_third)
     source = _jsonl(tmp_path / "in.jsonl", ["first document", "second one", "the third document, long enough"])
     prefix = str(tmp_path / "store")
-    with pytest.raises(ConfigError, match=r"in.jsonl:3: gigatoken and the tokenizers library encode this document "
-                                          r"differently from its token 4 on .*nothing was written.*engine='hf'"):
-        tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files["gpt2"], workers=0,
-                                                           skip_bad=True))
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("store")]
+    for workers, threads in ((0, False), (2, True)):  # threads share the patched encoder
+        with pytest.raises(ConfigError, match=r"in.jsonl:3: gigatoken and the tokenizers library encode this "
+                                              r"document differently from its token 4 on .*nothing was written"
+                                              r".*engine='hf'"):
+            tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files["gpt2"], workers=workers,
+                                                               threads=threads, skip_bad=True, chunk_bytes=20))
+        assert not [f for f in os.listdir(tmp_path) if f.startswith("store")]
     # past the guard's budget a run trusts gigatoken: the wrong id is not looked for there
-    from tokenloom.tokenization import pipeline
-
     monkeypatch.setattr(pipeline, "GUARD_CHARACTERS", 10)  # the first document only
     tokenize_to_store([source], prefix, TokenizeConfig(tokenizer=tokenizer_files["gpt2"], workers=0, skip_bad=True))
     assert os.path.exists(prefix + ".bin")
+
+
+def test_threads_are_the_default_with_gigatoken_and_processes_elsewhere(tokenizer_files, tmp_path, capsys):
+    source = _jsonl(tmp_path / "in.jsonl", [f"text number {i}" for i in range(200)])
+    gpt2 = tokenizer_files["gpt2"]
+    runs = {}
+    for name, options in [("giga", {"tokenizer": gpt2}),
+                          ("giga_processes", {"tokenizer": gpt2, "threads": False, "workers": 2}),
+                          ("hf", {"tokenizer": gpt2, "engine": "hf", "workers": 2}),
+                          ("bytes", {"workers": 2})]:
+        config = TokenizeConfig(chunk_bytes=500, skip_bad=True, **options)
+        runs[name] = tokenize_to_store([source], str(tmp_path / name), config)
+    cores = os.cpu_count() or 1
+    assert (runs["giga"].threads, runs["giga"].workers) == (True, min(cores, pipeline.DEFAULT_THREADS))
+    assert [(runs[n].threads, runs[n].workers) for n in ("giga_processes", "hf", "bytes")] == [(False, 2)] * 3
+    assert cli_main(["tokenize", source, "-o", str(tmp_path / "cli"), "--tokenizer", gpt2, "--workers", "3",
+                     "--skip-bad", "-q"]) == 0
+    assert "engine gigatoken, 3 worker threads" in capsys.readouterr().out
+    assert cli_main(["tokenize", source, "-o", str(tmp_path / "cli2"), "--tokenizer", gpt2, "--workers", "1",
+                     "--processes", "--skip-bad", "-q"]) == 0
+    assert "engine gigatoken, 1 worker process" in capsys.readouterr().out
 
 
 def test_the_command_says_which_engine_ran_and_maps_a_refusal_to_its_flag(tokenizer_files, tmp_path, capsys):
     source = _jsonl(tmp_path / "in.jsonl", ["some text", "more text"])
     assert cli_main(["tokenize", source, "-o", str(tmp_path / "a"), "--tokenizer", tokenizer_files["gpt2"],
                      "--workers", "0", "--skip-bad", "-q"]) == 0
-    assert "engine gigatoken" in capsys.readouterr().out
+    assert "engine gigatoken, in the calling thread" in capsys.readouterr().out
     assert cli_main(["tokenize", source, "-o", str(tmp_path / "b"), "--tokenizer", tokenizer_files["unigram"],
                      "--workers", "0", "--skip-bad", "-q"]) == 0
     assert 'engine hf (gigatoken does not cover this tokenizer: Unsupported model type "Unigram"' in \

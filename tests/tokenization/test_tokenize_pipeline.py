@@ -63,10 +63,11 @@ def test_output_is_byte_identical_for_any_worker_count(tmp_path):
         texts = [" ".join(rng.choice(words, size=rng.integers(0, 40))) for _ in range(700)]
         paths.append(_write_jsonl(tmp_path / f"part{f}.jsonl", texts))
     outputs = []
-    for workers, chunk_bytes in [(0, 1 << 20), (1, 4096), (2, 1000), (3, 333)]:
-        prefix = str(tmp_path / f"w{workers}")
+    for workers, chunk_bytes, threads in [(0, 1 << 20, False), (1, 4096, False), (2, 1000, False), (3, 333, False),
+                                          (3, 777, True)]:
+        prefix = str(tmp_path / f"w{workers}{'t' if threads else ''}")
         tokenize_to_store([str(tmp_path / "part*.jsonl")], prefix,
-                          TokenizeConfig(workers=workers, chunk_bytes=chunk_bytes))
+                          TokenizeConfig(workers=workers, chunk_bytes=chunk_bytes, threads=threads))
         outputs.append(prefix)
     for other in outputs[1:]:
         for suffix in (".bin", ".idx", ".meta.json"):
@@ -136,6 +137,8 @@ def test_progress_reports_every_document_token_and_input_byte(tmp_path):
 def test_bad_config_values_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="workers"):
         TokenizeConfig(workers=-1)
+    with pytest.raises(ConfigError, match=r"threads 'yes', expected True, False or None"):
+        TokenizeConfig(threads="yes")
     with pytest.raises(ConfigError, match="chunk_bytes"):
         TokenizeConfig(chunk_bytes=0)
     with pytest.raises(ConfigError, match="input_format"):

@@ -160,3 +160,81 @@ def test_chunked_text_lines_match_a_simple_split(tmp_path_factory, lines, chunk_
         got.extend(zip(parsed.line_numbers, parsed.texts))
     expected = [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
     assert got == expected
+
+
+# -- the fast JSON parser reads what json reads ---------------------------------------------------
+_ODD_LINES = [
+    b'{"text": "plain"}', b'{"text": NaN}', b'{"n": 1e400, "text": "inf beside"}',
+    b'{"n": 123456789012345678901234567890, "text": "big int beside"}', b'\xef\xbb\xbf{"text": "bom"}',
+    b'{"text": "lone \\ud800 surrogate"}', b'{"text": "pair \\ud83d\\ude00"}', b"[1, 2]", b'"a string"', b"null",
+    b'{"other": 1}', b'{"text": 5}', b'{"text": null}', b'{"meta": {"text": "nested"}}',
+    b'{"meta.text": "dotted", "text": "top"}', b'{"text": "a", "text": "duplicate"}', b'{"text": "x",}',
+    b'{"text": "raw \x01 control"}', b'{"text": "bad \xff utf8"}', b"   ", b"\t", b"\r", b'{"text": "crlf"}\r',
+    "\u00a0".encode(), b"\x1c", "\u2028".encode(), b'{"text": "trailing"} junk', b'{"text": "\\u0000 nul"}',
+    b'{"text": ""}', b"{}", b'{"text": "emoji \xf0\x9f\x98\x80 and \xe4\xb8\xad\xe6\x96\x87"}',
+]
+
+
+def _reference_parse(payload: bytes, first_line: int, text_key: str):
+    """The JSONL rules, line by line with json (slow and plain): texts and bad records."""
+    texts, bad = [], []
+    for offset, raw in enumerate(payload.split(b"\n")):
+        number = first_line + offset
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad.append((number, "invalid_utf8"))
+            continue
+        if not line or line.isspace():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append((number, "malformed_json"))
+            continue
+        if not isinstance(obj, dict):
+            bad.append((number, "not_an_object"))
+            continue
+        value, found = obj, True
+        if text_key in obj:
+            value = obj[text_key]
+        else:
+            for part in text_key.split("."):
+                if not isinstance(value, dict) or part not in value:
+                    found = False
+                    break
+                value = value[part]
+        if not found:
+            bad.append((number, "missing_key"))
+        elif not isinstance(value, str):
+            bad.append((number, "not_a_string"))
+        else:
+            texts.append((number, value))
+    return texts, bad
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=st.lists(st.one_of(st.sampled_from(_ODD_LINES),
+                                st.text(max_size=40).map(lambda t: json.dumps({"text": t}).encode()),
+                                st.text(max_size=40).map(lambda t: json.dumps({"text": t}, ensure_ascii=False)
+                                                         .encode("utf-8", "surrogatepass"))),
+                      max_size=25),
+       text_key=st.sampled_from(["text", "meta.text"]), first_line=st.integers(1, 1000))
+def test_fast_json_path_reads_what_json_reads(lines, text_key, first_line):
+    """orjson parses the common line, json every other one: the texts, line numbers and bad
+    records are those of a plain json reading, with orjson or without it."""
+    from tokenloom.tokenization import sources
+    from tokenloom.tokenization.sources import RawChunk
+
+    pytest.importorskip("orjson")
+    payload = b"\n".join(lines) + b"\n"
+    chunk = RawChunk(path="x.jsonl", kind="jsonl", first_line=first_line, payload=payload, num_bytes=len(payload),
+                     input_bytes_done=len(payload))
+    expected = _reference_parse(payload, first_line, text_key)
+    for fast in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not fast:
+                patch.setattr(sources, "_fast_json_loads", lambda: None)
+            parsed = parse_chunk(chunk, text_key=text_key)
+        assert list(zip(parsed.line_numbers, parsed.texts)) == expected[0], fast
+        assert [(b.line_number, b.reason) for b in parsed.bad] == expected[1], fast

@@ -59,9 +59,10 @@ def _describe(piece: InputPiece) -> list:
 
 
 def _settings(config: TokenizeConfig, record: dict) -> dict:
-    """What decides a part's tokens besides its inputs (workers and chunk size change nothing)."""
+    """What decides a part's tokens besides its inputs (workers, threads and chunk size change
+    nothing)."""
     out = dataclasses.asdict(config)
-    for name in ("workers", "chunk_bytes"):
+    for name in ("workers", "threads", "chunk_bytes"):
         out.pop(name, None)
     out["tokenizer_record"] = record
     return out
@@ -172,7 +173,8 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
                            skipped={k: v for k, v in skipped.items() if v}, elapsed_s=time.perf_counter() - started,
                            ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")),
                            engine=getattr(tokenizer, "engine", "bytes"),
-                           engine_note=getattr(tokenizer, "engine_note", None))
+                           engine_note=getattr(tokenizer, "engine_note", None),
+                           **dict(zip(("workers", "threads"), config.parallelism(tokenizer))))
 
 
 def _copy_into(source: str, target: str, offset: int) -> None:

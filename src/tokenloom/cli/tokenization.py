@@ -63,8 +63,15 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="skip and count bad records instead of stopping at the first")
     p.add_argument(
         "--workers", type=int, default=None, metavar="N",
-        help=f"worker processes (default: one per core, here {os.cpu_count()}; 0 = in this process)",
+        help=f"worker threads or processes (default: threads, one per core up to 4; processes, one per core, "
+        f"here {os.cpu_count()}; 0 = in the calling thread)",
     )
+    parallel = p.add_mutually_exclusive_group()
+    parallel.add_argument("--threads", dest="threads", action="store_const", const=True, default=None,
+                          help="the workers are threads of this process (the default with gigatoken, which "
+                          "releases the GIL: nothing to start or copy between processes)")
+    parallel.add_argument("--processes", dest="threads", action="store_const", const=False,
+                          help="the workers are processes (the default with the other engines)")
     p.add_argument("--chunk-size", type=_byte_size, default=1 << 20, metavar="BYTES",
                    help="text per worker task, e.g. 512K, 4M (default 1M)")
     p.add_argument("--engine", choices=("auto", "gigatoken", "hf"), default="auto",
@@ -114,8 +121,14 @@ def _format_summary(summary) -> str:
         f"tokenizer {record.name} (vocab {record.vocab_size:,}, "
         + (f"EOD {record.eod_id} appended)" if record.append_eod else "no EOD appended)")
     ]
+    kind, plural = ("thread", "threads") if summary.threads else ("process", "processes")
+    how = (f"{summary.workers} worker {kind if summary.workers == 1 else plural}" if summary.workers
+           else "in the calling thread")
     if summary.engine != "bytes":
-        lines.append(f"engine {summary.engine}" + (f" ({summary.engine_note})" if summary.engine_note else ""))
+        lines.append(f"engine {summary.engine}" + (f" ({summary.engine_note})" if summary.engine_note else "")
+                     + f", {how}")
+    else:
+        lines.append(how)
     if summary.num_skipped:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
         lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")
@@ -140,6 +153,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         eod_id=args.eod_id,
         skip_bad=args.skip_bad,
         workers=args.workers,
+        threads=args.threads,
         chunk_bytes=args.chunk_size,
         engine=args.engine,
     )

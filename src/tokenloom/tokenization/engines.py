@@ -44,8 +44,9 @@ class GigatokenEncoder:
         return (GigatokenEncoder, (self.path,))
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens (T,) int64 concatenated, lengths (len(texts),) int64), as
-        ``HuggingFaceTokenizer.encode_batch`` returns them. gigatoken decides its own threading:
+        """(tokens (T,) uint32 concatenated, lengths (len(texts),) int64), as
+        ``HuggingFaceTokenizer.encode_batch`` returns them; the ids stay in gigatoken's own
+        dtype, as the store's dtype is at most that wide. gigatoken decides its own threading:
         a thread pool in the main process, the calling thread inside a worker process."""
         encoded = self._tokenizer.encode_batch(list(texts))
         layout = encoded.layout  # documents x ids
@@ -54,7 +55,7 @@ class GigatokenEncoder:
 
             layout = awkward.to_packed(encoded).layout
         offsets = np.asarray(layout.offsets.data, dtype=np.int64)  # (len(texts) + 1,)
-        tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]].astype(np.int64)  # (T,)
+        tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]  # (T,) uint32
         return tokens, np.diff(offsets)
 
 

@@ -1,28 +1,34 @@
 """The tokenize pipeline: input files -> parallel workers -> one token store.
 
-The main process reads and decompresses the inputs into raw chunks of about
-``chunk_bytes`` and hands them, in input order, to a pool of worker processes; each worker
-parses its chunk (UTF-8, JSON, text key), encodes all its texts with one batch call of the
-tokenizer, appends the end-of-document id and returns one token array plus the document
-lengths. Results are written in submission order, so the store does not depend on the
-number of workers or on timing. At most ``2 * workers`` chunks are in flight, so memory
-stays bounded whatever the input size. Any error or interrupt aborts the writer: no store
-appears under the prefix.
-"""
+The calling thread reads and decompresses the inputs into raw chunks of about ``chunk_bytes``
+and hands them, in input order, to a pool of workers; each worker parses its chunk (UTF-8,
+JSON, text key), encodes all its texts with one batch call of the tokenizer, appends the
+end-of-document id and returns one token array plus the document lengths. Results are written
+in submission order, so the store does not depend on the number or kind of workers or on
+timing. At most ``2 * workers`` chunks are in flight, so memory stays bounded whatever the
+input size. Any error or interrupt aborts the writer: no store appears under the prefix.
 
+The workers are threads where the engine is gigatoken and processes otherwise
+(``TokenizeConfig.threads``). gigatoken encodes faster than Python can read and parse for it,
+so what counts is the Python around it: a worker process costs its start, a second load of the
+tokenizer and a copy of every chunk and its ids between processes, while gigatoken releases the
+GIL and spreads a batch over its own threads, which a thread in this process uses as well.
+"""
 from __future__ import annotations
 
 import bisect
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
@@ -52,6 +58,10 @@ ProgressCallback = Callable[[int, int, int], None]
 """``progress(documents, tokens, input_bytes)``: increments since the previous call."""
 
 _MAX_LOGGED_BAD_RECORDS = 5
+
+DEFAULT_THREADS = 4
+"""Worker threads by default: one parses while others' batches encode on gigatoken's own pool;
+past a few, the threads only wait for the GIL (BENCHMARKS.md, "Tokenize")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +94,17 @@ class TokenizeConfig:
     """Skip (and count) unusable records instead of failing on the first one."""
 
     workers: int | None = None
-    """Worker processes; None is one per CPU core, 0 encodes in the calling process."""
+    """Worker threads or processes (``threads``); 0 encodes in the calling thread. None: with
+    threads, one per core up to :data:`DEFAULT_THREADS`; with processes, one per core."""
+
+    threads: bool | None = None
+    """Encode in ``workers`` threads of this process (True) or in worker processes (False); None
+    takes threads where the engine is gigatoken and processes otherwise. gigatoken releases the
+    GIL while it encodes and spreads each batch over its own thread pool, so threads need no
+    process started, no tokenizer loaded again and no text or ids copied between processes;
+    the byte tokenizer and ``tokenizers`` are driven from Python per batch and scale with
+    processes. Reading, JSON parsing and writing take turns on the GIL, which is why a few
+    threads are enough (more processes: divide the run over ranks, ``tokenloom.builder.tokenize``)."""
 
     chunk_bytes: int = 1 << 20
     """Text bytes per worker task; memory in flight is about ``2 * workers`` of them."""
@@ -101,6 +121,8 @@ class TokenizeConfig:
             raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
         if not self.text_key or not self.column:
             raise ConfigError(f"text_key {self.text_key!r} and column {self.column!r} must be non-empty")
+        if self.threads is not None and not isinstance(self.threads, bool):
+            raise ConfigError(f"threads {self.threads!r}, expected True, False or None (by engine)")
         if self.workers is not None and (not is_integer(self.workers) or self.workers < 0):
             raise ConfigError(f"workers {self.workers!r}, expected an int >= 0 or None (one per core)")
         if not is_integer(self.chunk_bytes) or self.chunk_bytes < 1:
@@ -111,10 +133,13 @@ class TokenizeConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
-    @property
-    def num_workers(self) -> int:
-        """Resolved worker count (None -> the number of CPU cores)."""
-        return self.workers if self.workers is not None else (os.cpu_count() or 1)
+    def parallelism(self, tokenizer: Tokenizer) -> tuple[int, bool]:
+        """``(workers, threads)`` resolved for ``tokenizer`` (see ``workers`` and ``threads``)."""
+        threads = self.threads if self.threads is not None else getattr(tokenizer, "engine", None) == "gigatoken"
+        cores = os.cpu_count() or 1
+        if self.workers is not None:
+            return self.workers, threads
+        return (min(cores, DEFAULT_THREADS) if threads else cores), threads
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,6 +177,12 @@ class TokenizeSummary:
     engine_note: str | None = None
     """Why ``tokenizers`` encoded where ``engine="auto"`` could not take gigatoken."""
 
+    workers: int = 0
+    """Worker threads or processes that encoded (0: the calling thread)."""
+
+    threads: bool = False
+    """Whether the workers were threads of the calling process."""
+
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
@@ -178,7 +209,8 @@ class _EncodeJob:
     stop_at_bad: bool
     guard: dict[int, int] = dataclasses.field(default_factory=dict)
     """Process id -> characters this run still holds gigatoken to ``tokenizers`` on (each worker
-    gets its own copy with the job, so every process of every run checks its first documents)."""
+    process gets its own copy with the job, so every process of every run checks its first
+    documents; the threads of one process share its budget)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -192,6 +224,7 @@ class _EncodedBatch:
 
 
 _JOB: _EncodeJob | None = None
+_GUARD_LOCK = threading.Lock()
 
 
 def _init_worker(job: _EncodeJob) -> None:
@@ -252,14 +285,15 @@ def _guard(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]], enco
     tokenizer = job.tokenizer
     if getattr(tokenizer, "engine", None) != "gigatoken" or not texts:
         return
-    left = job.guard.setdefault(os.getpid(), GUARD_CHARACTERS)
-    if left <= 0:
-        return
-    count, size = 0, 0
-    while count < len(texts) and size < left:  # the documents that make up the rest of the budget
-        size += len(texts[count])
-        count += 1
-    job.guard[os.getpid()] = left - size
+    with _GUARD_LOCK:  # the process's worker threads share one budget
+        left = job.guard.setdefault(os.getpid(), GUARD_CHARACTERS)
+        if left <= 0:
+            return
+        count, size = 0, 0
+        while count < len(texts) and size < left:  # the documents that make up the rest of the budget
+            size += len(texts[count])
+            count += 1
+        job.guard[os.getpid()] = left - size
     lengths = encoded[1][:count]
     ours = (encoded[0][:int(lengths.sum())], lengths)
     found = first_difference(ours, tokenizer.encode_batch_reference(texts[:count]))
@@ -305,15 +339,16 @@ def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
         lengths = lengths[~empty]
     if tokens.size:
         vocab_size = job.tokenizer.vocab_size
-        if int(tokens.max()) >= vocab_size or int(tokens.min()) < 0:
+        if int(tokens.max()) >= vocab_size or (tokens.dtype.kind == "i" and int(tokens.min()) < 0):
             raise BuildError(f"tokenizer {job.tokenizer!r} produced ids outside [0, {vocab_size})")
+    tokens = tokens.astype(job.dtype, copy=False)  # narrow before the copy that inserts the EODs
     if job.append_eod and lengths.size:
         # insert the EOD id after each document: tokens (T,) -> (T + num_documents,)
         tokens = np.insert(tokens, np.cumsum(lengths), job.eod_id)
         lengths = lengths + 1
     skipped = collections.Counter(b.reason for b in bad)
     return _EncodedBatch(
-        tokens=tokens.astype(job.dtype, copy=False),
+        tokens=tokens,
         lengths=lengths,
         num_empty=num_empty,
         skipped=dict(skipped),
@@ -393,8 +428,10 @@ def _tasks(pieces: Sequence[InputPiece], config: TokenizeConfig) -> Iterator[_Ta
         yield _Task(batch, consumed - reported)
 
 
-def _encode_ordered(job: _EncodeJob, tasks: Iterable[_Task], workers: int) -> Iterator[tuple[_EncodedBatch, _Task]]:
-    """Encode tasks in a pool of ``workers`` processes (0: inline); results in task order.
+def _encode_ordered(job: _EncodeJob, tasks: Iterable[_Task], workers: int,
+                    threads: bool = False) -> Iterator[tuple[_EncodedBatch, _Task]]:
+    """Encode tasks in a pool of ``workers`` processes, or threads (0: inline); results in task
+    order.
 
     Input that fits in one task is encoded inline too: starting processes would cost more
     than it saves. Either way the results are the same.
@@ -406,16 +443,21 @@ def _encode_ordered(job: _EncodeJob, tasks: Iterable[_Task], workers: int) -> It
             yield _encode_chunks(job, task.chunks), task
         return
     tasks = itertools.chain(head, tasks)
-    # spawn: no inherited threads or locks (tqdm, the tokenizer's thread pool) in the workers.
-    # A worker that dies makes the executor raise BrokenProcessPool instead of hanging.
-    executor = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(job,)
-    )
+    if threads:
+        executor: Executor = ThreadPoolExecutor(workers, thread_name_prefix="tokenloom-encode")
+        encode = functools.partial(_encode_chunks, job)
+    else:
+        # spawn: no inherited threads or locks (tqdm, the tokenizer's thread pool) in the workers.
+        # A worker that dies makes the executor raise BrokenProcessPool instead of hanging.
+        executor = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(job,)
+        )
+        encode = _encode_in_worker
     try:
         pending: collections.deque = collections.deque()
         max_in_flight = 2 * workers
         for task in tasks:
-            pending.append((executor.submit(_encode_in_worker, task.chunks), task))
+            pending.append((executor.submit(encode, task.chunks), task))
             if len(pending) >= max_in_flight:
                 future, done = pending.popleft()
                 yield future.result(), done
@@ -478,14 +520,14 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         dtype=dtype.str,
         stop_at_bad=not config.skip_bad,
     )
-    workers = config.num_workers
-    logger.info("tokenizing %d input file(s) with %r and %d worker(s) into %s",
-                len(files), tokenizer, workers, output_prefix)
+    workers, threads = config.parallelism(tokenizer)
+    logger.info("tokenizing %d input file(s) with %r and %d worker %s into %s",
+                len(files), tokenizer, workers, "thread(s)" if threads else "process(es)", output_prefix)
     num_documents = num_tokens = num_empty = logged_bad = 0
     skipped: collections.Counter = collections.Counter()
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
-        for batch, task in _encode_ordered(job, _tasks(pieces, config), workers):
+        for batch, task in _encode_ordered(job, _tasks(pieces, config), workers, threads):
             if batch.error is not None:
                 raise InputError(batch.error)
             writer.add_documents(batch.tokens, batch.lengths)
@@ -515,6 +557,8 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         elapsed_s=time.perf_counter() - started,
         engine=getattr(tokenizer, "engine", "bytes"),
         engine_note=getattr(tokenizer, "engine_note", None),
+        workers=workers,
+        threads=threads,
     )
     logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
                 dict(summary.skipped))

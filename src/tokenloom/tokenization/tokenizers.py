@@ -50,7 +50,8 @@ class Tokenizer(Protocol):
     eod_id: int | None
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Encode texts; return (tokens (T,) int64 concatenated, lengths (len(texts),) int64)."""
+        """Encode texts; return (tokens (T,) concatenated, lengths (len(texts),) int64). The ids
+        are int64 or an unsigned dtype of the engine's own (gigatoken's uint32)."""
         ...
 
     def record(self, *, append_eod: bool) -> TokenizerRecord:
