@@ -53,17 +53,8 @@ def _stdlib_documents(max_doc_bytes: int) -> list[str]:
                     source = f.read()
             except (UnicodeDecodeError, OSError):
                 continue
-            piece: list[str] = []
-            size = 0
-            for block in source.split("\n\n"):
-                if size + len(block) > max_doc_bytes and piece:
-                    documents.append("\n\n".join(piece))
-                    piece, size = [], 0
-                piece.append(block)
-                size += len(block) + 2
-            if piece:
-                documents.append("\n\n".join(piece))
-    return [d for d in documents if d.strip()]
+            documents.extend(_cut(source, max_doc_bytes))
+    return documents
 
 
 def _corpus_documents(target_bytes: int, max_doc_bytes: int) -> tuple[list[str], bool]:

@@ -14,6 +14,7 @@ so what counts is the Python around it: a worker process costs its start, a seco
 tokenizer and a copy of every chunk and its ids between processes, while gigatoken releases the
 GIL and spreads a batch over its own threads, which a thread in this process uses as well.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -178,7 +179,8 @@ class TokenizeSummary:
     """Why ``tokenizers`` encoded where ``engine="auto"`` could not take gigatoken."""
 
     workers: int = 0
-    """Worker threads or processes that encoded (0: the calling thread)."""
+    """Worker threads or processes the run was given (0: the calling thread; input of one task
+    is encoded in the calling thread all the same)."""
 
     threads: bool = False
     """Whether the workers were threads of the calling process."""
