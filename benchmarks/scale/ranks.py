@@ -79,7 +79,11 @@ def child(args) -> dict:
             config = json.load(f)
     else:
         config = json.loads(args.config)
-    config.update(cache_dir=args.cache, mode=args.mode, timeout_s=3600.0)
+    mode = args.mode
+    if mode == "best_fit":  # whole documents packed best fit, blended in exact mode
+        config.update(packing="best_fit")
+        mode = "exact"
+    config.update(cache_dir=args.cache, mode=mode, timeout_s=3600.0)
     if args.world > 1:
         import torch.distributed as dist
 
@@ -469,7 +473,8 @@ def main() -> None:
     parser.add_argument("--corpus", help="directory written by make_corpus.py")
     parser.add_argument("--work", default="/tmp/tl_scale")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=["exact", "stateless"])
+    parser.add_argument("--modes", nargs="+", default=["exact", "stateless"],
+                        help="exact, stateless, best_fit (packing: best_fit, exact blends)")
     parser.add_argument("--repeats", type=int, default=3, help="tries of each build; the best is kept")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)

@@ -4,7 +4,7 @@ Joins a gloo group on 127.0.0.1, runs each step (a build with an optional inject
 writes ``OUT_DIR/rank{RANK}.json`` with every step's outcome. A step is a mapping:
 
 * ``config``: the build config mapping (``{rank}`` in cache_dir is replaced by the rank);
-* ``fault``: optional ``{"rank": r, "item_kind": "gpt"|"blend", "action": "raise"|"kill"|"hang"}``
+* ``fault``: optional ``{"rank": r, "item_kind": "gpt"|"blend"|"pack", "action": "raise"|"kill"|"hang"}``
   ("hang" stops the process with SIGSTOP: alive, its sockets open, never answering);
 * ``dry_run``: optional bool.
 """

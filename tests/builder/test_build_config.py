@@ -121,7 +121,7 @@ def test_non_finite_numbers_in_a_list_are_refused():
 
 
 def test_keys_change_with_every_array_field():
-    from tokenloom.builder.config import ARRAY_FIELDS
+    from tokenloom.builder.config import ARRAY_FIELDS, array_config
 
     base = BuildConfig(blend=["1", "a", "3", "b"], split="99,1,0", seq_length=8, train_samples=10,
                        valid_samples=2, test_samples=1)
@@ -129,11 +129,22 @@ def test_keys_change_with_every_array_field():
         "seq_length": 9, "blend": ["1", "a", "4", "b"], "split": "98,2,0", "train_samples": 11,
         "valid_samples": 3, "test_samples": 2, "seed": 1, "add_extra_token": False,
         "drop_last_partial_validation_sequence": False, "mid_level_dataset_surplus": 0.01,
-        "mode": "stateless",
+        "mode": "stateless", "packing": "best_fit",
     }
-    assert set(changed) | {"blend_per_split"} == set(ARRAY_FIELDS)
-    keys = {hash_key({k: v for k, v in base.to_dict().items() if k in ARRAY_FIELDS})}
+    assert set(changed) | {"blend_per_split", "best_fit_window"} == set(ARRAY_FIELDS)
+    keys = {hash_key(array_config(base))}
     for name, value in changed.items():
         config = base.replace(**{name: value})
-        keys.add(hash_key({k: v for k, v in config.to_dict().items() if k in ARRAY_FIELDS}))
-    assert len(keys) == len(changed) + 1
+        keys.add(hash_key(array_config(config)))
+    keys.add(hash_key(array_config(base.replace(packing="best_fit", best_fit_window=100))))
+    assert len(keys) == len(changed) + 2
+
+
+def test_array_config_of_a_concat_build_is_what_it_was_before_best_fit():
+    # a build key names the build in a checkpoint's serving state: adding the packing fields must
+    # not change the key of a build that does not use them
+    from tokenloom.builder.config import array_config
+
+    config = BuildConfig(blend=["a"], split="99,1,0", seq_length=8, train_samples=10)
+    assert "packing" not in array_config(config) and "best_fit_window" not in array_config(config)
+    assert array_config(config.replace(packing="best_fit"))["packing"] == "best_fit"

@@ -32,7 +32,15 @@ def scenario(tmp_path_factory):
         {"config": blend_config(prefixes, str(root / "local{rank}"), shared_fs=False)},
         # 4: stateless mode on the shared cache
         {"config": blend_config(prefixes, shared, mode="stateless")},
-        # 5: rank 2 killed in its first dataset item (the group is unusable afterwards: last step)
+        # 5: best-fit packing on the shared cache: the chunks divided over the ranks
+        {"config": blend_config(prefixes, root / "best_fit", packing="best_fit", megatron_tokenizer=None)},
+        # 6: best-fit packing, stateless blends, no shared filesystem
+        {"config": blend_config(prefixes, str(root / "bf_local{rank}"), packing="best_fit", mode="stateless",
+                                shared_fs=False, megatron_tokenizer=None)},
+        # 7: best-fit packing, rank 1 raising in its first chunk
+        {"config": blend_config(prefixes, root / "bf_fault", packing="best_fit", megatron_tokenizer=None),
+         "fault": {"rank": 1, "item_kind": "pack", "action": "raise"}},
+        # 8: rank 2 killed in its first dataset item (the group is unusable afterwards: last step)
         {"config": blend_config(prefixes, root / "killed", seed=9, timeout_s=20.0),
          "fault": {"rank": 2, "item_kind": "gpt", "action": "kill"}},
     ]
@@ -62,16 +70,20 @@ def test_n_ranks_write_the_bytes_one_process_writes(scenario, tmp_path):
     assert tb.verify_cache(str(root / "shared")).ok
 
 
-@pytest.mark.timeout(300)
-def test_an_exception_on_one_rank_fails_every_rank_with_the_same_error(scenario):
-    _, _, results = scenario
-    outcomes = _step(results, 1)
+def _one_failure(outcomes) -> str:
+    """The one message every rank failed with."""
     assert not any(o["ok"] for o in outcomes)
     messages = {o["error"] for o in outcomes}
     assert len(messages) == 1, messages
     message = messages.pop()
-    assert message.startswith("rank 1 failed in build while building gpt ")
     assert "injected fault on rank 1" in message
+    return message
+
+
+@pytest.mark.timeout(300)
+def test_an_exception_on_one_rank_fails_every_rank_with_the_same_error(scenario):
+    _, _, results = scenario
+    assert _one_failure(_step(results, 1)).startswith("rank 1 failed in build while building gpt ")
 
 
 @pytest.mark.timeout(300)
@@ -112,9 +124,34 @@ def test_stateless_mode_on_n_ranks_matches_one_process(scenario, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_best_fit_packing_on_n_ranks_matches_one_process(scenario, tmp_path):
+    root, prefixes, results = scenario
+    for step, cache, changes in ((5, "best_fit", {}), (6, "bf_local{rank}", {"mode": "stateless"})):
+        outcomes = _step(results, step)
+        assert all(o["ok"] for o in outcomes), outcomes
+        config = blend_config(prefixes, tmp_path / f"single{step}", packing="best_fit", megatron_tokenizer=None,
+                              **changes)
+        single = tb.build(config)
+        assert {o["build_key"] for o in outcomes} == {single.build_key}
+        assert [int(v) for v in single.split("train")[0][:8]] == outcomes[0]["first"]
+        expected = cache_files(tmp_path / f"single{step}")
+        for rank in range(WORLD if "{rank}" in cache else 1):
+            assert cache_files(root / cache.format(rank=rank)) == expected, (step, rank)
+        packs = [item.key for item in single.plan.items if item.kind == "pack"]
+        assert set(packs) <= set(outcomes[0]["built"])  # built by this run, in its pack phase
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_chunk_fails_every_rank_with_the_same_error(scenario):
+    _, _, results = scenario
+    message = _one_failure(_step(results, 7))
+    assert message.startswith("rank 1 failed in pack while building pack "), message
+
+
+@pytest.mark.timeout(300)
 def test_a_killed_rank_makes_the_others_fail_with_a_clear_error(scenario):
     root, prefixes, results = scenario
-    outcomes = _step(results, 5)
+    outcomes = _step(results, 8)
     assert outcomes[2] is None  # the killed rank wrote nothing
     for rank in (0, 1):
         outcome = outcomes[rank]

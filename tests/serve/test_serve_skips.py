@@ -20,13 +20,15 @@ from tokenloom.serve.stream import SampleStream
 G, MICRO = 8, 2
 
 
-@pytest.fixture(scope="module", params=["exact", "stateless"])
+@pytest.fixture(scope="module", params=["exact", "stateless", "best_fit"])
 def split(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"skips-{request.param}")
     prefixes = write_corpus(root, 3, seed=5)
     config = {"blend": {"prefixes": prefixes, "weights": [5.0, 3.0, 2.0]}, "split": "100,0,0", "seq_length": 16,
-              "train_samples": 2000, "valid_samples": 0, "test_samples": 0, "seed": 11, "mode": request.param,
-              "cache_dir": str(root / "cache")}
+              "train_samples": 2000, "valid_samples": 0, "test_samples": 0, "seed": 11,
+              "mode": "exact" if request.param == "best_fit" else request.param, "cache_dir": str(root / "cache")}
+    if request.param == "best_fit":
+        config["packing"] = "best_fit"
     return tokenloom.build(config).split("train")
 
 

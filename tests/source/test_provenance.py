@@ -42,14 +42,17 @@ def stores(tmp_path_factory):
 
 
 def _config(stores, cache, mode: str, **changes) -> dict:
+    """``mode``: exact, stateless, or best_fit (whole documents packed, blended in exact mode)."""
     config = {"blend": {"prefixes": list(stores), "weights": [5.0, 3.0, 2.0]}, "split": "90,8,2", "seq_length": 48,
-              "train_samples": 1500, "valid_samples": 120, "test_samples": 40, "seed": 77, "mode": mode,
-              "cache_dir": str(cache), "rng_workers": 0}
+              "train_samples": 1500, "valid_samples": 120, "test_samples": 40, "seed": 77,
+              "mode": "exact" if mode == "best_fit" else mode, "cache_dir": str(cache), "rng_workers": 0}
+    if mode == "best_fit":
+        config["packing"] = "best_fit"
     config.update(changes)
     return config
 
 
-@pytest.fixture(scope="module", params=["exact", "stateless"])
+@pytest.fixture(scope="module", params=["exact", "stateless", "best_fit"])
 def built(request, stores, tmp_path_factory):
     cache = tmp_path_factory.mktemp(f"cache-{request.param}")
     blended = tokenloom.build(_config(stores, cache, request.param))
@@ -84,7 +87,7 @@ def test_where_gives_the_pieces_each_position_serves(built):
                                      for p in origin.pieces])
             served = source[origin.position]
             assert np.array_equal(tokens, served[:tokens.shape[0]])
-            assert np.all(served[tokens.shape[0]:] == source.pad_id)  # only a short last sample pads
+            assert np.all(served[tokens.shape[0]:] == source.pad_id)  # a short last sample, or best fit, pads
             assert all(p.length > 0 for p in origin.pieces)
 
 

@@ -29,6 +29,8 @@ from tokenloom.validate import check_non_negative_int, check_number, check_posit
 
 #: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
 MODES = ("exact", "stateless")
+#: How documents become samples: concatenated and chunked (Megatron's), or packed whole, best fit.
+PACKINGS = ("concat", "best_fit")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,17 @@ class BuildConfig:
     mode: str = "exact"
     """``"exact"``: megatron-core's arrays bit for bit; ``"stateless"``: tokenloom's Feistel index
     and closed-form blend, with no per-sample arrays."""
+
+    packing: str = "concat"
+    """``"concat"``: documents concatenated and cut into samples (megatron-core's samples, in either
+    mode); ``"best_fit"``: whole documents packed best fit decreasing into padded samples, long
+    ones cut into sample-length pieces (:mod:`tokenloom.index.best_fit_index`). ``mode`` still
+    chooses the blend: megatron-core's greedy arrays (exact) or the closed form (stateless)."""
+
+    best_fit_window: int | None = None
+    """Documents packed together with ``packing: best_fit`` (consecutive in a seeded order); None:
+    100,000, or the tokens of a sample if more. Larger windows pad a little less and hold more
+    memory while packing."""
 
     megatron_tokenizer: Mapping[str, Any] | None = None
     """The ``unique_identifiers`` of the tokenizer the Megatron job uses, in order; only needed to
@@ -170,6 +183,24 @@ class BuildConfig:
         object.__setattr__(self, "mid_level_dataset_surplus", float(surplus))
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; expected one of {list(MODES)}")
+        if self.packing not in PACKINGS:
+            raise ConfigError(f"packing={self.packing!r}; expected one of {list(PACKINGS)}")
+        if self.best_fit_window is not None:
+            if self.packing != "best_fit":
+                raise ConfigError(f"best_fit_window={self.best_fit_window!r} with packing={self.packing!r}; "
+                                  "the window only applies to packing: best_fit")
+            from tokenloom.index.best_fit_index import resolve_window
+
+            resolve_window(self.best_fit_window, self.seq_length + int(bool(self.add_extra_token)))
+        if self.packing == "best_fit" and self.megatron_cache_dir is not None:
+            raise ConfigError(
+                f"megatron_cache_dir={self.megatron_cache_dir!r} with packing='best_fit'; megatron-core has no "
+                "best-fit index to load, so there is nothing to export: drop megatron_cache_dir (serve the "
+                "split with tokenloom) or use packing: concat")
+        if self.packing == "best_fit" and not self.drop_last_partial_validation_sequence:
+            raise ConfigError(
+                "drop_last_partial_validation_sequence=False with packing='best_fit'; best-fit samples are "
+                "whole documents and padding, so there is no partial sample to keep: set it to True")
         if self.megatron_tokenizer is not None and not isinstance(self.megatron_tokenizer, Mapping):
             raise ConfigError(
                 f"megatron_tokenizer={self.megatron_tokenizer!r}; expected the mapping a Megatron "
@@ -221,6 +252,9 @@ class BuildConfig:
         if kind == "tokens":
             counts = [int(v) // seq for v in values]
             tokens = [int(v) for v in values]
+        elif self.packing == "best_fit":
+            raise ConfigError(f"{what}: epoch budgets with packing='best_fit'; an epoch of a best-fit split is "
+                              "only known once its documents are packed: give token budgets or weights")
         else:
             per_epoch = [self._train_samples_per_epoch(prefix, what) for prefix in blend.prefixes]
             counts = [math.floor(e * n) for e, n in zip(values, per_epoch)]
@@ -299,8 +333,18 @@ class BuildConfig:
 ARRAY_FIELDS = (
     "seq_length", "blend", "blend_per_split", "split", "train_samples", "valid_samples",
     "test_samples", "seed", "add_extra_token", "drop_last_partial_validation_sequence",
-    "mid_level_dataset_surplus", "mode",
+    "mid_level_dataset_surplus", "mode", "packing", "best_fit_window",
 )
+
+#: Array fields added after the first builds: left out of :func:`array_config` at their default, so
+#: that a build key (which a checkpoint's serving state names) stays what it was before them.
+_LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None}
+
+
+def array_config(config: BuildConfig) -> dict[str, Any]:
+    """The values of :data:`ARRAY_FIELDS` that a build key hashes."""
+    return {name: value for name, value in config.to_dict().items() if name in ARRAY_FIELDS
+            and not (name in _LATER_ARRAY_DEFAULTS and value == _LATER_ARRAY_DEFAULTS[name])}
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -547,7 +591,9 @@ def as_build_config(config: Any) -> BuildConfig:
 __all__ = [
     "ARRAY_FIELDS",
     "MODES",
+    "PACKINGS",
     "BuildConfig",
+    "array_config",
     "as_build_config",
     "build_config_from_dict",
     "load_build_config",

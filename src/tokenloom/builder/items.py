@@ -5,7 +5,10 @@ megatron-core's ``BlendedMegatronDatasetBuilder`` exactly (same sample counts pe
 blend sizes and weights):
 
 * a ``gpt`` item: one (store, split) packed-sample index;
-* a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store).
+* a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store);
+* with ``packing: best_fit``, ``pack`` items: the chunks of a split's documents packed best fit
+  (:mod:`tokenloom.builder.best_fit`), which its ``gpt`` item serves from. They are built before
+  the plan, whose sample counts they decide.
 
 Every item is self-contained (the planner already knows each dataset's length from its token
 count), so all items, blends included, run in parallel. The cost model estimates seconds from
@@ -28,7 +31,7 @@ from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.stores import StoreInfo
-from tokenloom.errors import ConfigError
+from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
 from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
@@ -41,7 +44,7 @@ class WorkItem:
     """One unit of work: build the arrays of one (dataset, split) index or one split's blend."""
 
     kind: str
-    """``"gpt"`` (a packed-sample index) or ``"blend"``."""
+    """``"gpt"`` (a packed-sample index), ``"blend"`` or ``"pack"`` (a best-fit chunk)."""
     key: str
     """Cache key: hash of :attr:`params`."""
     split: str
@@ -61,7 +64,10 @@ class WorkItem:
     prefix: str | None = None
     """The store a ``gpt`` item reads (as the config names it); None for a blend."""
     epoch_plan: EpochPlan | None = None
-    """A ``gpt`` item's epoch arithmetic (megatron-core's), known before any array is built."""
+    """A ``gpt`` item's epoch arithmetic (megatron-core's), known before any array is built
+    (None for best-fit packing, whose epochs the packed chunks decide)."""
+    packs: tuple[WorkItem, ...] = ()
+    """A best-fit ``gpt`` item's ``pack`` items (its chunks, in order); empty otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,9 +198,15 @@ def ranges_for(config: BuildConfig, prefix: str):
     return ranges
 
 
+PackSamples = Mapping[str, int]
+"""``pack`` item key -> the samples its chunk packed (the pack phase's result)."""
+
+
 def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int, end: int,
-              num_samples: int | None) -> WorkItem:
+              num_samples: int | None, pack_samples: PackSamples | None = None) -> WorkItem:
     split = SPLIT_NAMES[split_index]
+    if config.packing == "best_fit":
+        return _best_fit_gpt_item(config, info, split, begin, end, num_samples, pack_samples)
     drop_last = True if split != "valid" else config.drop_last_partial_validation_sequence
     if config.mode == "stateless":
         drop_last = True  # the stateless index always drops a trailing partial sample
@@ -239,6 +251,44 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
                     megatron=megatron, prefix=info.prefix, epoch_plan=epoch_plan)
 
 
+def _best_fit_gpt_item(config: BuildConfig, info: StoreInfo, split: str, begin: int, end: int,
+                       num_samples: int | None, pack_samples: PackSamples | None) -> WorkItem:
+    from tokenloom.builder import best_fit
+
+    if info.tokens_in(begin, end) <= 0:
+        raise ConfigError(
+            f"{info.prefix}: the {split} split (sequences {begin}..{end} of {info.num_sequences}) holds "
+            f"no tokens; expected at least one; check the split string and the store")
+    packs = best_fit.pack_items(config, info, begin, end, WorkItem)
+    try:
+        counts = [int(pack_samples[item.key]) for item in packs] if pack_samples is not None else None
+    except KeyError:
+        counts = None
+    if counts is None:
+        raise BuildError(f"{info.prefix}: the {split} split's best-fit chunks were not packed before planning "
+                         "(a best-fit plan needs their sample counts)")
+    params = best_fit.gpt_params(config, info, split, begin, end, num_samples, packs)
+    plan = best_fit.plan_of(params, counts)
+    return WorkItem(kind="gpt", key=hash_key(params), split=split, label=f"gpt {split} {info.prefix}",
+                    params=params, num_samples=plan.num_samples, output_bytes=8 * len(packs) + 4096,
+                    cost_s=COST_PER_ITEM_S, prefix=info.prefix, packs=tuple(packs))
+
+
+def all_pack_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> list[WorkItem]:
+    """Every ``pack`` item of a best-fit build, each once, in a fixed order (the same on every rank)."""
+    from tokenloom.builder import best_fit
+
+    out: dict[str, WorkItem] = {}
+    for prefix in config.prefixes:
+        info = infos[prefix]
+        for bounds in ranges_for(config, prefix)(info.num_sequences):
+            if info.tokens_in(*bounds) <= 0:
+                continue  # the split's gpt item reports it
+            for item in best_fit.pack_items(config, info, *bounds, WorkItem):
+                out.setdefault(item.key, item)
+    return list(out.values())
+
+
 def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem], weights: list,
                 size: int | None) -> WorkItem:
     split = SPLIT_NAMES[split_index]
@@ -254,8 +304,9 @@ def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem],
     if config.mode == "exact":
         output_bytes = total * (np.dtype(np.int16).itemsize + 8)
         cost = COST_PER_ITEM_S + COST_PER_BLEND_SAMPLE_S * total + COST_PER_BYTE_S * output_bytes
-        megatron = blend_name(
-            datasets=[_identifiers_of(d) for d in datasets], split=split, weights=list(weights), size=size)
+        if config.packing == "concat":  # megatron-core has no best-fit datasets to name
+            megatron = blend_name(
+                datasets=[_identifiers_of(d) for d in datasets], split=split, weights=list(weights), size=size)
     else:
         output_bytes = 4096
         cost = COST_PER_ITEM_S + 1e-6 * len(datasets)
@@ -293,7 +344,8 @@ GptItems = dict[tuple[str, int, int, int, int | None], WorkItem]
 """``(prefix, split_index, begin, end, num_samples) -> WorkItem``: dataset items already made."""
 
 
-def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> GptItems:
+def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
+                  pack_samples: PackSamples | None = None) -> GptItems:
     """The ``gpt`` items of the stores in ``infos`` (any subset of the config's stores): the part
     of planning that grows with the stores, which ranks divide and then share with
     :func:`resolve_items`."""
@@ -309,11 +361,12 @@ def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo]) -> GptIte
         counts = _dataset_sizes(config, blend, split_index, sizes[split_index])
         for prefix, n in zip(blend.prefixes, counts):
             if prefix in infos:
-                _make_gpt(config, infos, made, prefix, split_index, n)
+                _make_gpt(config, infos, made, prefix, split_index, n, pack_samples)
     return made
 
 
-def _make_gpt(config: BuildConfig, infos, made: GptItems, prefix: str, split_index: int, n) -> WorkItem | None:
+def _make_gpt(config: BuildConfig, infos, made: GptItems, prefix: str, split_index: int, n,
+              pack_samples: PackSamples | None = None) -> WorkItem | None:
     info = infos[prefix]
     bounds = split_ranges(config, info.num_sequences, prefix)[split_index]
     if bounds is None:
@@ -321,16 +374,16 @@ def _make_gpt(config: BuildConfig, infos, made: GptItems, prefix: str, split_ind
     key = (prefix, split_index, *bounds, n)
     item = made.get(key)
     if item is None:
-        item = made[key] = _gpt_item(config, info, split_index, *bounds, n)
+        item = made[key] = _gpt_item(config, info, split_index, *bounds, n, pack_samples)
     return item
 
 
-def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
-                  made: GptItems | None = None) -> tuple[list[WorkItem], list[SplitPlan]]:
+def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: GptItems | None = None,
+                  pack_samples: PackSamples | None = None) -> tuple[list[WorkItem], list[SplitPlan]]:
     """Items and splits of ``config`` given every store's info, megatron-core's builder semantics.
 
     ``made``: dataset items already made (:func:`dataset_items`, by this rank or gathered from
-    others); the rest are made here.
+    others); the rest are made here. ``pack_samples``: a best-fit build's chunk sample counts.
     """
     made = {} if made is None else made
     items: dict[str, WorkItem] = {}
@@ -345,7 +398,11 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
             continue  # the split string gives this split no weight
         size = sizes[split_index]
         counts = _dataset_sizes(config, blend, split_index, size)
-        datasets = [_make_gpt(config, infos, made, p, split_index, n) for p, n in zip(blend.prefixes, counts)]
+        datasets = [_make_gpt(config, infos, made, p, split_index, n, pack_samples)
+                    for p, n in zip(blend.prefixes, counts)]
+        for item in datasets:  # a best-fit dataset's chunks come before it
+            for pack in item.packs:
+                items.setdefault(pack.key, pack)
         if len(datasets) == 1 and (blend.weights is None or config.blend is None):
             item = datasets[0]
             items.setdefault(item.key, item)
@@ -507,9 +564,11 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
     loads = plan.seconds_per_rank()
     by_rank: dict[int, list[WorkItem]] = {r: plan.items_of_rank(r) for r in range(plan.world_size)}
     cached = sum(1 for item in plan.items if item.key in done)
+    chunks = sum(item.kind == "pack" for item in plan.items)
     lines = [
         f"{len(plan.items)} items ({sum(i.kind == 'gpt' for i in plan.items)} dataset indices, "
-        f"{sum(i.kind == 'blend' for i in plan.items)} blends), {cached} already in the cache, "
+        f"{sum(i.kind == 'blend' for i in plan.items)} blends"
+        + (f", {chunks} packed chunks" if chunks else "") + f"), {cached} already in the cache, "
         f"{len(plan.assignment) + len(plan.divided)} to build on {plan.world_size} rank(s)",
     ]
     for item in plan.divided_items():
@@ -537,7 +596,7 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
 
 
 __all__ = [
-    "BuildPlan", "SplitPlan", "WorkItem", "assign_lpt", "assign_work", "dataset_items", "divide_blends",
-    "format_plan", "is_divided", "plan_build", "ranges_for",
+    "BuildPlan", "PackSamples", "SplitPlan", "WorkItem", "all_pack_items", "assign_lpt", "assign_work",
+    "dataset_items", "divide_blends", "format_plan", "is_divided", "plan_build", "ranges_for",
     "resolve_items", "split_ranges",
 ]

@@ -3,8 +3,8 @@
 ``BuildResult.split("train")`` returns a :class:`~tokenloom.source.blended.BlendedSource` (a
 :class:`~tokenloom.source.protocol.SampleSource`): ``locate(positions)`` gives ``(dataset_ids,
 sample_ids)`` and ``read_samples`` their tokens, exactly as megatron-core's ``BlendedDataset``
-(exact mode) would serve them. The build makes one reader per dataset (megatron-core's arrays or
-the stateless index) and one locator per split (megatron-core's blend arrays, the closed-form
+(exact mode) would serve them. The build makes one reader per dataset (megatron-core's arrays,
+the stateless index or the best-fit chunks) and one locator per split (megatron-core's blend arrays, the closed-form
 blend, or a single dataset read directly). Nothing is copied into memory: the arrays are
 read-only memory maps of the cache files, so every rank of a job can open the same build cheaply,
 and a dataset's store and arrays are opened on its first read (a blend of 10,000 stores holds no
@@ -13,16 +13,19 @@ store open until it serves from it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
+from tokenloom.builder.best_fit import open_index as open_best_fit_index
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import BuildPlan, SplitPlan, WorkItem
 from tokenloom.builder.stateless import open_stateless_gpt_index, stateless_blend
 from tokenloom.errors import ConfigError
+from tokenloom.index.best_fit_index import BestFitIndex, BestFitPlan
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, Locator
-from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, StoreOpener
+from tokenloom.source.readers import BestFitReader, DatasetReader, MegatronReader, StatelessReader, StoreOpener
 
 
 class _IndexOpener:
@@ -32,9 +35,13 @@ class _IndexOpener:
     def __init__(self, cache: Cache, item: WorkItem, mode: str, store: StoreOpener) -> None:
         self.cache, self.key, self.mode, self.store = cache, item.key, mode, store
         self.epoch_plan, self.seed = item.epoch_plan, int(item.params["seed"])
+        self.best_fit = item.params.get("packing") == "best_fit"
+        self.name = item.label
 
-    def __call__(self) -> GPTIndices | StatelessGPTIndex:
+    def __call__(self) -> GPTIndices | StatelessGPTIndex | BestFitIndex:
         cache, key = self.cache, self.key
+        if self.best_fit:
+            return open_best_fit_index(cache, key, self.name)
         if self.mode == "stateless":
             return open_stateless_gpt_index(self.store(), cache.read_record(key),
                                             cache.open_array(key, "block_token_starts"),
@@ -43,6 +50,22 @@ class _IndexOpener:
                           sample_index=cache.open_array(key, "sample_index"),
                           shuffle_index=cache.open_array(key, "shuffle_index"),
                           plan=self.epoch_plan, seed=self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingReport:
+    """One split's best-fit packing, over one epoch of each of its datasets."""
+
+    documents: int
+    """Documents packed."""
+    cut_documents: int
+    """Documents longer than a sample, cut into sample-length pieces (they span several samples)."""
+    tokens: int
+    """Document tokens in the samples."""
+    samples_per_epoch: int
+    """Samples that hold them."""
+    padding_fraction: float
+    """The share of those samples' tokens that is padding."""
 
 
 class BuildResult:
@@ -86,15 +109,18 @@ class BuildResult:
     def _open_split(self, split: SplitPlan, stores, seq_length, add_extra_token, weights,
                     budgets: Mapping[str, int] | None = None) -> BlendedSource:
         readers: list[DatasetReader] = []
-        reader_class = StatelessReader if self.mode == "stateless" else MegatronReader
         for prefix, key in zip(split.prefixes, split.dataset_keys):
             item = self._items[key]
+            if item.params.get("packing") == "best_fit":
+                reader_class: type[DatasetReader] = BestFitReader
+            else:
+                reader_class = StatelessReader if self.mode == "stateless" else MegatronReader
             if prefix not in stores:
                 stores[prefix] = StoreOpener(prefix)
             # nothing is opened here: a reader opens its store and its arrays on its first read
             opener = _IndexOpener(self.cache, item, self.mode, stores[prefix])
             readers.append(reader_class(name=prefix, store=stores[prefix], key=key, prefix=prefix, indices=opener,
-                                        num_samples=item.epoch_plan.num_samples_in_index))
+                                        num_samples=item.num_samples))
         locator: Locator
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
@@ -106,6 +132,24 @@ class BuildResult:
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
                              budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes])
+
+    def packing_report(self) -> dict[str, PackingReport]:
+        """What best-fit packing reached, by split (empty for concatenated samples): one epoch of
+        every dataset of the split, from the records the build wrote."""
+        out = {}
+        for split in self.plan.splits:
+            records = [self.cache.read_record(key) for key in split.dataset_keys
+                       if self._items[key].params.get("packing") == "best_fit"]
+            if not records:
+                continue
+            capacity = BestFitPlan.from_dict(records[0]["plan"]).sample_num_tokens
+            samples = sum(BestFitPlan.from_dict(r["plan"]).samples_per_epoch for r in records)
+            tokens = sum(int(r["num_tokens"]) for r in records)
+            out[split.name] = PackingReport(
+                documents=sum(int(r["num_documents"]) for r in records),
+                cut_documents=sum(int(r["cut_documents"]) for r in records), tokens=tokens,
+                samples_per_epoch=samples, padding_fraction=1.0 - tokens / (samples * capacity))
+        return out
 
     @property
     def splits(self) -> dict[str, BlendedSource]:
@@ -123,5 +167,5 @@ class BuildResult:
         return f"BuildResult({self.cache.root!r}, {parts}, build_key={self.build_key[:12]})"
 
 
-__all__ = ["BuildResult"]
+__all__ = ["BuildResult", "PackingReport"]
 

@@ -6,6 +6,9 @@
 1. **fingerprint** -- ranks fingerprint the stores round-robin (a store unchanged since the
    memo recorded it is not opened: :mod:`tokenloom.builder.stores`), make those stores' dataset
    items, and gather both;
+   **pack** (``packing: best_fit`` only) -- the chunks of every split's documents that no writer's
+   cache holds are packed and published, divided over the ranks by longest processing time first;
+   the ranks gather every chunk's sample count, which the plan needs (:mod:`tokenloom.builder.best_fit`);
 2. **plan** -- every rank resolves the same items and keys from the gathered ones, the writers
    check their cache, and all ranks agree on what is missing; missing items go to ranks by longest
    processing time first, exact blends are cut into one range per rank;
@@ -35,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from tokenloom._version import __version__
+from tokenloom.builder.best_fit import build_gpt_arrays as build_best_fit_gpt_arrays
+from tokenloom.builder.best_fit import build_pack_arrays, pack_stats
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION, Cache, PackWriter, host_record
 from tokenloom.builder.collective import (
     CollectiveBuildError,
@@ -46,7 +51,7 @@ from tokenloom.builder.collective import (
     open_group,
     writers_by_node,
 )
-from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, as_build_config
+from tokenloom.builder.config import BuildConfig, array_config, as_build_config
 from tokenloom.builder.divided import DividedContext, build_divided_blend
 from tokenloom.builder.exact import (
     SMALL_WALK_POSITIONS,
@@ -58,6 +63,8 @@ from tokenloom.builder.exact import (
 from tokenloom.builder.items import (
     BuildPlan,
     WorkItem,
+    all_pack_items,
+    assign_lpt,
     assign_work,
     dataset_items,
     ranges_for,
@@ -155,13 +162,20 @@ class _Build:
         infos = None if record is not None else self._fingerprint()
         self._timed("fingerprint", start)
 
+        self._pack_stats: dict[str, dict[str, int]] = {}
+        self._packed: set[str] = set()
+        if record is None and self.config.packing == "best_fit":
+            start = time.perf_counter()
+            self._pack()
+            self._timed("pack", start)
+
         start = time.perf_counter()
         plan, nodes, present = self._plan() if record is None else self._plan_from(record)
         self._timed("plan", start)
         self.from_record = record is not None
         done = frozenset(k for k in (i.key for i in plan.items) if all(k in p for p in present.values()))
-        if self.on_plan is not None:
-            self.on_plan(plan, done)
+        if self.on_plan is not None:  # best-fit chunks packed by this run are not "cached"
+            self.on_plan(plan, done - self._packed)
         if dry_run:
             return plan
 
@@ -173,6 +187,7 @@ class _Build:
         if not self.config.shared_fs:
             self._transfer(plan, nodes, present, built)
         self._timed("transfer", start)
+        built |= self._packed  # the chunks the pack phase built count as built by this run
 
         # finalize and open make thousands of lasting objects (manifest entries, the result's
         # per-item views): with the collector on, each of its full passes walks all that a rank
@@ -225,7 +240,9 @@ class _Build:
                 failure = failure_from(exc, rank=self.rank, phase="fingerprint", item=f"store {prefix}")
                 break
         made = {}
-        if failure is None:  # the dataset items of these stores: planning's share that grows with them
+        if failure is None and self.config.packing == "concat":
+            # the dataset items of these stores: planning's share that grows with them (a best-fit
+            # item needs its chunks' sample counts, known after the pack phase)
             try:
                 made = dataset_items(self.config, mine)
             except Exception as exc:
@@ -253,6 +270,65 @@ class _Build:
                 pass
             memo.merge_and_save(all_fresh)
         return self.infos
+
+    # -- 1b. pack (best fit) ----------------------------------------------------------------------
+    def _pack(self) -> None:
+        """Build the best-fit chunks no writer's cache holds, divided over the ranks, and gather
+        every chunk's counts into ``self._pack_stats`` (a dry run packs and writes nothing). Every
+        rank learns them here: without a shared filesystem a chunk reaches the other nodes only
+        after the build, and the split's ``gpt`` item, built before that, needs its counts."""
+        failure = None
+        items: list[WorkItem] = []
+        known: dict[str, dict[str, int]] = {}
+        _, writers = self._nodes()
+        try:
+            items = all_pack_items(self.config, self.infos)
+            if self.rank in writers:
+                self.cache.refresh()
+                for item in items:
+                    if self.cache.has(item.key, refresh=False):
+                        known[item.key] = pack_stats(self.cache.read_record(item.key))
+        except Exception as exc:
+            failure = failure_from(exc, rank=self.rank, phase="pack", item=None)
+        for part in agree(self.group, failure, phase="pack", payload=known):
+            self._pack_stats.update(part)
+        missing = [item for item in items if item.key not in self._pack_stats]
+        assignment = assign_lpt(missing, self.world)
+        mine = [item for item in missing if assignment[item.key] == self.rank]
+        counts: dict[str, dict[str, int] | None] = {}
+        records: dict[str, dict] = {}
+        packs = None if self.dry_run else PackWriter(self.cache)
+        poller = _ProgressPoller(self.cache, [], None, poll=False)
+        try:
+            for item in sorted(mine, key=lambda item: (-item.cost_s, item.key)):
+                try:
+                    if self.before_item is not None:
+                        self.before_item(item, self.rank)
+                    if packs is None:
+                        counts[item.key] = pack_stats(self._build_one(item, None)[1])
+                    elif not self._build_and_queue(item, packs, records, poller, lambda: None):
+                        counts[item.key] = None  # another job built it: read its record below
+                except Exception as exc:
+                    failure = failure_from(exc, rank=self.rank, phase="pack", item=item.label)
+                    break
+        finally:
+            if packs is not None:
+                try:
+                    packs.close()
+                except Exception as exc:
+                    failure = failure or failure_from(exc, rank=self.rank, phase="pack", item="publishing a pack")
+                self.cache.close_locks()
+        if failure is None:
+            try:
+                for key in list(counts):
+                    if counts[key] is None:
+                        counts[key] = pack_stats(self.cache.read_record(key))
+                counts.update({key: pack_stats(record) for key, record in records.items()})
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="pack", item="reading a chunk's record")
+        for part, built in agree(self.group, failure, phase="pack", payload=(counts, sorted(records))):
+            self._pack_stats.update(part)
+            self._packed.update(built)
 
     def _warm_start(self) -> StartRecord | None:
         """The warm-start record's plan when every rank proves it current (its share of the stores
@@ -302,7 +378,8 @@ class _Build:
         items = splits = None
         mine: set[str] | None = None
         try:  # every item; which rank builds what waits for what the caches hold
-            items, splits = resolve_items(self.config, self.infos, self._made)
+            items, splits = resolve_items(self.config, self.infos, self._made,
+                                          {key: stats["num_samples"] for key, stats in self._pack_stats.items()})
         except Exception as exc:
             failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
         nodes, writers = self._nodes()
@@ -326,7 +403,7 @@ class _Build:
         every rank's predicted and measured work (for the manifest and the result)."""
         started, cpu = time.perf_counter(), _cpu_seconds()
         mine = plan.items_of_rank(self.rank)
-        exact = self.config.mode == "exact"
+        exact = self.config.mode == "exact" and self.config.packing == "concat"  # megatron-core's shuffles
         gpt_jobs = [(item.prefix, item.params, item.epoch_plan) for item in mine if item.kind == "gpt" and exact]
         records: dict[str, dict] = {}
         failure = None
@@ -424,7 +501,11 @@ class _Build:
         """The arrays of ``item`` and its record."""
         started = time.perf_counter()
         extra: dict[str, Any] = {}
-        if (self.config.mode, item.kind) == ("exact", "gpt"):
+        if item.kind == "pack":
+            arrays, extra = build_pack_arrays(item.prefix, item.params)
+        elif item.kind == "gpt" and self.config.packing == "best_fit":
+            arrays, extra = build_best_fit_gpt_arrays(item.params, self._pack_stats)
+        elif (self.config.mode, item.kind) == ("exact", "gpt"):
             arrays, epoch_plan = build_gpt_arrays(item.prefix, item.params, draws, plan=item.epoch_plan,
                                                   compiled=self._compiled_walk)
             extra["plan"] = plan_to_dict(epoch_plan)
@@ -437,7 +518,7 @@ class _Build:
             arrays = build_stateless_blend_arrays(item.params)
         record = {
             "kind": item.kind, "label": item.label, "split": item.split, "params": dict(item.params),
-            "num_samples": item.num_samples, "built_by": {"rank": self.rank, **host_record()},
+            "num_samples": extra.pop("num_samples", item.num_samples), "built_by": {"rank": self.rank, **host_record()},
             "seconds": round(time.perf_counter() - started, 6),
             "megatron_md5": None if item.megatron is None else item.megatron.md5, **extra,
         }
@@ -494,9 +575,9 @@ class _Build:
     def _finalize(self, plan: BuildPlan, infos, nodes, built) -> tuple[str, Failure | None]:
         """The build key; the writers write the manifest and keep the plan for the next start, and
         ranks place megatron-core's files. Returns this rank's failure (the caller agrees)."""
-        array_config = {name: value for name, value in self.config.to_dict().items() if name in ARRAY_FIELDS}
+        arrays_config = array_config(self.config)
         build_key = make_build_key({
-            "format": CACHE_FORMAT_VERSION, "config": array_config,
+            "format": CACHE_FORMAT_VERSION, "config": arrays_config,
             "items": sorted(item.key for item in plan.items),
             "splits": [[s.name, list(s.dataset_keys), s.blend_key] for s in plan.splits],
         })
@@ -509,7 +590,7 @@ class _Build:
                     if infos is None:
                         raise BuildError(f"{manifest_path}: the build's manifest vanished while the build "
                                          "started from its warm-start record; run the build again")
-                    self._write_manifest(plan, infos, built, build_key, array_config)
+                    self._write_manifest(plan, infos, built, build_key, arrays_config)
                 if infos is not None and self.start_key is not None and self._memo is not None:
                     write_start(self.cache.root, self.start_key, build_key=build_key, prefixes=self.config.prefixes,
                                 infos=infos, memo=self._memo, items=plan.items, splits=plan.splits)
@@ -623,7 +704,9 @@ def _cpu_seconds() -> float:
 
 
 def _positions(item: WorkItem) -> int:
-    """Document positions of a ``gpt`` item."""
+    """Document positions of a ``gpt`` item (none for best fit: its chunks were packed before)."""
+    if item.epoch_plan is None:
+        return 0
     return item.epoch_plan.num_epochs * item.epoch_plan.num_documents
 
 

@@ -23,6 +23,12 @@ def add_build_parser(subparsers) -> None:
     p.add_argument("--cache", metavar="DIR", help="cache directory (overrides cache_dir in CONFIG)")
     p.add_argument("--mode", choices=("exact", "stateless"),
                    help="exact: megatron-core's arrays bit for bit; stateless: tokenloom's Feistel index")
+    p.add_argument("--packing", choices=("concat", "best_fit"),
+                   help="concat: documents concatenated and cut into samples (megatron-core's); best_fit: "
+                        "whole documents packed best fit into padded samples, long ones cut into pieces")
+    p.add_argument("--best-fit-window", type=int, metavar="DOCUMENTS",
+                   help="documents packed together with --packing best_fit (default 100000, at least the "
+                        "tokens of a sample)")
     p.add_argument("--no-shared-fs", action="store_true",
                    help="ranks do not share the cache directory; results travel over the process group")
     p.add_argument("--megatron-cache", metavar="DIR",
@@ -50,7 +56,7 @@ def run_build(args) -> int:
     overrides = {
         "cache_dir": args.cache, "mode": args.mode, "megatron_cache_dir": args.megatron_cache,
         "timeout_s": args.timeout, "rng_workers": args.rng_workers, "blend_threads": args.blend_threads,
-        "verify_stores": args.verify_stores,
+        "verify_stores": args.verify_stores, "packing": args.packing, "best_fit_window": args.best_fit_window,
     }
     if args.no_shared_fs:
         overrides["shared_fs"] = False
@@ -62,7 +68,7 @@ def run_build(args) -> int:
             print(format_plan(plan, done=cached))
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
-                  f"{len(plan.assignment) + len(plan.divided)} to build on {plan.world_size} rank(s), "
+                  f"{len(plan.items) - len(cached)} to build on {plan.world_size} rank(s), "
                   f"estimated {max(plan.seconds_per_rank(), default=0):.1f} s", file=sys.stderr)
 
     def on_progress(done: int, total: int) -> None:
@@ -80,8 +86,16 @@ def run_build(args) -> int:
     result = tb.build(config, dry_run=args.dry_run, on_plan=on_plan, on_progress=on_progress)
     if args.dry_run or result.rank != 0:
         return 0
+    packing = result.packing_report()
     for name, split in result.splits.items():
-        print(f"{name}: {split.num_samples:,} samples from {len(split.datasets)} dataset(s)")
+        line = f"{name}: {split.num_samples:,} samples from {len(split.datasets)} dataset(s)"
+        if name in packing:
+            report = packing[name]
+            line += (f"; best fit: {report.samples_per_epoch:,} samples an epoch, padding "
+                     f"{100 * report.padding_fraction:.2f}%, {report.cut_documents:,} of {report.documents:,} "
+                     f"documents cut ({100 * report.cut_documents / max(1, report.documents):.2f}%, longer "
+                     "than a sample)")
+        print(line)
     built = len(result.built_keys)
     warm = " (warm start: stores unchanged, the kept plan taken)" if result.warm_start else ""
     print(f"build {result.build_key}: {len(result.plan.items)} items, {built} built, "

@@ -6,7 +6,9 @@ A reader pairs a token store with the index that cuts it into samples:
   in memory or memory-mapped from a build's cache;
 * :class:`StatelessReader` -- tokenloom's Feistel index
   (:class:`~tokenloom.index.stateless.StatelessGPTIndex`), which computes each sample's document
-  pieces from a seed and a few bytes per document.
+  pieces from a seed and a few bytes per document;
+* :class:`BestFitReader` -- whole documents packed best fit
+  (:class:`~tokenloom.index.best_fit_index.BestFitIndex`): a sample's pieces, then padding.
 
 Both copy a batch of samples straight from the memory-mapped store into rows of one
 ``(B, seq_length + add_extra_token)`` int64 block with one compiled call
@@ -244,11 +246,19 @@ class StatelessReader(DatasetReader):
                   counts: np.ndarray | None = None) -> None:
         sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
         spans = self.indices.spans(sample_ids)
-        gather_kernels(backend).span_rows(self.store, spans, -1, out, np.ascontiguousarray(out_rows, dtype=np.int64),
-                                          ends, counts, sample_ids)
+        rows = np.ascontiguousarray(out_rows, dtype=np.int64)
+        gather_kernels(backend).span_rows(self.store, spans, PAD_TOKEN_ID, out, rows, ends, counts, sample_ids)
 
     def spans(self, sample_ids) -> SampleSpans:
         return self.indices.spans(np.ascontiguousarray(sample_ids, dtype=np.int64))
 
 
-__all__ = ["DatasetReader", "MegatronReader", "StatelessReader", "StoreOpener", "gather_gpt_samples", "resolve_eod"]
+class BestFitReader(StatelessReader):
+    """A dataset of whole documents packed best fit: a sample is its pieces, then padding
+    (:data:`~tokenloom.index.megatron_gpt.PAD_TOKEN_ID`, which the fields keep out of the loss).
+    The stateless reader's gather serves it: both kinds hand over a sample's pieces, and the
+    gather pads what they leave of the row."""
+
+
+__all__ = ["BestFitReader", "DatasetReader", "MegatronReader", "StatelessReader", "StoreOpener", "gather_gpt_samples",
+           "resolve_eod"]
