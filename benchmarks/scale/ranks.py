@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_build's corpus c
 
 # the build's phases (BuildResult.timings), each ended by a collective: a rank's wall time is about
 # the sum over the phases of the longest rank in each
-PHASES = ("fingerprint_s", "plan_s", "build_s", "transfer_s", "finalize_s", "open_s")
+PHASES = ("fingerprint_s", "pack_s", "plan_s", "build_s", "transfer_s", "finalize_s", "open_s")
 
 
 def _io() -> dict[str, int]:
