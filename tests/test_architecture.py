@@ -103,19 +103,19 @@ def test_no_cycle_between_parts():
                                     "tokenloom.tokenization", "tokenloom.cli"])
 def test_importing_loads_no_heavy_dependency(module):
     code = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'jax', 'numba', 'tokenizers', 'gigatoken', "
-            "'awkward', 'orjson', 'pyarrow', 'matplotlib', 'boto3', 'botocore') if m in sys.modules); "
+            "'awkward', 'orjson', 'pyarrow', 'matplotlib', 'boto3', 'botocore', 'grain') if m in sys.modules); "
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {module} imported {out}"
 
 
-#: Imports every module named on its command line, then the torch adapter (torch's side of serving,
-#: the one module that imports its framework at the top) where torch is installed; prints, per
-#: module, the heavy dependencies its import loaded, and which are loaded at the end.
+#: Imports every module named on its command line, then the torch and grain adapters (the modules
+#: that import their framework at the top) where it is installed; prints, per module, the heavy
+#: dependencies its import loaded, and which are loaded at the end.
 IMPORT_EVERY_MODULE = r"""
 import importlib, importlib.util, json, sys
 heavy = ("torch", "jax", "numba", "llvmlite", "tokenizers", "gigatoken", "awkward", "orjson", "pyarrow", "matplotlib",
-         "boto3", "botocore")
+         "boto3", "botocore", "grain")
 loaded = {}
 for name in sys.argv[1:]:
     before = {m for m in heavy if m in sys.modules}
@@ -123,6 +123,8 @@ for name in sys.argv[1:]:
     loaded[name] = sorted(m for m in heavy if m in sys.modules and m not in before)
 if importlib.util.find_spec("torch") is not None:
     importlib.import_module("tokenloom.serve.torch_adapter")
+if importlib.util.find_spec("grain") is not None:
+    importlib.import_module("tokenloom.serve.grain_adapter")
 print(json.dumps({"loaded": {k: v for k, v in loaded.items() if v},
                   "at_end": sorted(m for m in heavy if m in sys.modules)}))
 """
@@ -134,6 +136,7 @@ def test_importing_every_module_imports_no_numba_and_compiles_nothing():
     names = sorted(".".join(("tokenloom", *path.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
                    for path in MODULES if path.stem != "__main__")
     names.remove("tokenloom.serve.torch_adapter")
+    names.remove("tokenloom.serve.grain_adapter")
     done = subprocess.run([sys.executable, "-c", IMPORT_EVERY_MODULE, *names], capture_output=True, text=True,
                           timeout=300, check=True)
     out = json.loads(done.stdout)

@@ -109,6 +109,10 @@ class HostLoader:
         """Quarantine ``(store prefix, document id)`` pairs from the next step on (every process)."""
         self._loader.quarantine(items)
 
+    def reweight(self, weights) -> None:
+        """Change the blend weights from the next step on (every process, between steps)."""
+        self._loader.reweight(weights)
+
 
 def make_global_batch(host_batch: dict[str, np.ndarray], mesh, data_axis: str | tuple[str, ...] = "data") -> dict:
     """Assemble every process's rows into global ``jax.Array``s sharded along ``data_axis``.
