@@ -194,9 +194,16 @@ def test_padded_last_validation_sample_equals_megatron_core(tmp_path_factory, nu
                                             seed=seed, split="6,4,0", split_name="valid", drop_last_partial=False,
                                             add_extra_token=extra)
     options = SampleOptions(eod_mask_loss=True, inter_document_masking=True)
-    ours = read_batch(SampleStream(source), np.arange(len(theirs)), options)
+    stream = SampleStream(source)
     for i in range(len(theirs)):
-        _assert_fields_equal({k: v[i] for k, v in ours.items()}, theirs[i], f"position {i}")
+        try:
+            expected = theirs[i]
+        except RuntimeError:  # more pieces than cu_seqlens holds (empty documents): megatron-core fails too
+            with pytest.raises(InputError, match="document pieces"):
+                read_batch(stream, np.array([i]), options)
+            continue
+        ours = read_batch(stream, np.array([i]), options)
+        _assert_fields_equal({k: v[0] for k, v in ours.items()}, expected, f"position {i}")
 
 
 def test_a_padded_sample_whose_last_piece_is_the_extra_token(tmp_path):

@@ -72,8 +72,11 @@ def test_a_record_is_the_sample_at_that_position(split):
         source[len(source)]
     with pytest.raises(ConfigError, match="boundary_format='thd'"):
         GrainSource(split, options=SampleOptions(inter_document_masking=True, boundary_format="thd"))
-    copy = pickle.loads(pickle.dumps(source))  # no pipeline, no arrays: a worker maps them itself
-    assert copy._pipeline is None
+    # after reads (stores, index and blend arrays mapped), a copy for a worker carries none of them
+    blob = pickle.dumps(source)
+    assert len(blob) < 16 * 1024, len(blob)  # about 3 KB; carrying the arrays made it 40 KB here
+    copy = pickle.loads(blob)
+    assert copy._pipeline is None and not any(r.store_open for r in copy.stream.source.readers)
     _assert_equal(copy[7], source[7])
 
 
@@ -170,3 +173,37 @@ def test_grain_checkpoints_the_stream_through_its_handler(split, tmp_path):
 def test_a_bad_geometry_is_refused_when_the_dataset_is_made(split):
     with pytest.raises(ConfigError, match="not a multiple of shard_count=3"):
         GrainStream(split, global_batch_size=G, shard=ShardOptions(shard_index=0, shard_count=3))
+
+
+def test_worker_processes_serve_the_stream_in_order_and_restore_on_other_host_counts(split):
+    def pipeline(p, hosts, workers, state=None):
+        stream = GrainStream(split, global_batch_size=G, shard=ShardOptions(shard_index=p, shard_count=hosts),
+                             options=OPTIONS, max_steps=8)
+        it = iter(stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) if workers else stream)
+        if state is not None:
+            it.set_state(state)
+        return it
+
+    whole = _host_steps(split, ShardOptions(shard_index=0, shard_count=1), 8)
+    iterators = [pipeline(p, 2, workers=2) for p in range(2)]
+    for step in range(3):
+        parts = [next(it) for it in iterators]
+        _assert_equal({k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, whole[step], f"step {step}")
+    state = json.loads(json.dumps(iterators[0].get_state()))  # grain's interleave: one tokenloom state a worker
+    resumed = list(pipeline(0, 1, workers=2, state=state))  # one host, the same 2 workers
+    assert len(resumed) == 5
+    for step in range(5):
+        _assert_equal(resumed[step], whole[3 + step], f"resumed step {3 + step}")
+
+
+def test_a_worker_that_reached_max_steps_saves_the_step_it_serves_next(split):
+    # worker 1 of 2 reads step 1, then passes step 2 (max_steps=2): its state must say step 3,
+    # so that a run resumed with more steps does not read step 2 twice
+    stream = GrainStream(split, global_batch_size=G, shard=ShardOptions(shard_index=0, shard_count=1),
+                         options=OPTIONS, max_steps=2)
+    stream.set_slice(slice(1, None, 2))
+    it = iter(stream)
+    next(it)
+    assert it.get_state()["tokenloom"]["step"] == 3
+    with pytest.raises(StopIteration):
+        next(it)

@@ -3,6 +3,7 @@ MaxText's inputs_segmentation and inputs_position)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -89,12 +90,35 @@ def test_two_processes_four_cpu_devices_make_one_global_array(prefixes, tmp_path
         assert p.returncode == 0, output[-3000:]
     whole = list(HostLoader(_source(prefixes), global_batch_size=16, shard=ShardOptions(shard_index=0, shard_count=1),
                             options=SEGMENTS, max_steps=3))
+    records = [json.loads((tmp_path / f"process{p}.json").read_text()) for p in range(2)]
+    assert all(r["local_devices"] == 4 and r["global_shape"] == [16, 8] for r in records)
+    _check_global_arrays([r["shards"] for r in records], whole)
+    if importlib.util.find_spec("grain") is None:
+        return
+    # through grain: the same global arrays, and a state that restores on one process
+    _check_global_arrays([r["grain_shards"] for r in records], whole)
+    assert records[0]["grain_state"] == records[1]["grain_state"]
+    from tokenloom.serve.grain_adapter import GrainStream
+
+    one = iter(GrainStream(_source(prefixes), global_batch_size=16, shard=ShardOptions(shard_index=0, shard_count=1),
+                           options=SEGMENTS, max_steps=5))
+    one.set_state(records[1]["grain_state"])
+    later = list(HostLoader(_source(prefixes), global_batch_size=16, shard=ShardOptions(shard_index=0, shard_count=1),
+                            options=SEGMENTS, max_steps=5))[3:]
+    got = list(one)
+    assert len(got) == len(later) == 2
+    for a, b in zip(got, later):
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def _check_global_arrays(per_process_shards, whole) -> None:
+    """The processes' device shards hold every row of every step's global batch once, equal to
+    the one-process batches ``whole``."""
     seen = np.zeros((3, 16), dtype=int)
     fields = set()
-    for p in range(2):
-        record = json.loads((tmp_path / f"process{p}.json").read_text())
-        assert record["local_devices"] == 4 and record["global_shape"] == [16, 8]
-        for step, field, start, stop, rows in record["shards"]:
+    for shards in per_process_shards:
+        for step, field, start, stop, rows in shards:
             fields.add(field)
             np.testing.assert_array_equal(np.array(rows), whole[step][field][start:stop])
             if field == "tokens":

@@ -52,6 +52,16 @@ class _IndexOpener:
                           plan=self.epoch_plan, seed=self.seed)
 
 
+class _ArrayOpener:
+    """Maps one array of a cache item when called (picklable: a copy maps it in its own process)."""
+
+    def __init__(self, cache: Cache, key: str, name: str) -> None:
+        self.cache, self.key, self.name = cache, key, name
+
+    def __call__(self):
+        return self.cache.open_array(self.key, self.name)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackingReport:
     """One split's best-fit packing, over one epoch of each of its datasets."""
@@ -127,8 +137,9 @@ class BuildResult:
         elif self.mode == "stateless":
             locator = BlendLocator(stateless_blend(self._items[split.blend_key].params))
         else:
-            locator = ArrayLocator(self.cache.open_array(split.blend_key, "dataset_index"),
-                                   self.cache.open_array(split.blend_key, "dataset_sample_index"))
+            locator = ArrayLocator(_ArrayOpener(self.cache, split.blend_key, "dataset_index"),
+                                   _ArrayOpener(self.cache, split.blend_key, "dataset_sample_index"),
+                                   num_samples=split.num_samples)
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
                              budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes])

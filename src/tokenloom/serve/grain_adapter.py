@@ -19,7 +19,10 @@ fields are the ones every other loader serves:
   global batch of ``G``), with weight changes, skips and quarantines. Its iterator's grain state
   is tokenloom's serving state (:meth:`GrainStreamIterator.get_state`): the same on every host and
   free of the layout, so a run checkpointed through grain on 4 hosts restores on 2 or 8 with the
-  identical global batches.
+  identical global batches. Under grain's worker processes (``mp_prefetch``), worker ``k`` of
+  ``W`` reads steps ``k, k + W, ...`` and grain interleaves them back in order; grain keeps one
+  such state per worker, so a restore needs the same number of workers (grain's rule), on any
+  number of hosts.
 
 This module imports grain at the top (like the torch adapter imports torch); ``tokenloom.serve``
 does not import it.
@@ -123,9 +126,14 @@ class GrainStreamIterator(grain.DatasetIterator):
         self._dataset = stream
         self._loader = HostLoader(stream.source, global_batch_size=stream.global_batch_size, shard=stream.shard,
                                   options=stream.options, max_steps=stream.max_steps, audit=stream.audit)
+        first, self._stride = stream.worker_steps
+        self._loader.pass_steps(first)  # a worker process starts at its own first step
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._loader)
+        batch = next(self._loader)
+        # the other workers' steps: passed now, so that the state names this worker's next step
+        self._loader.pass_steps(self._stride - 1)
+        return batch
 
     @property
     def loader(self) -> HostLoader:
@@ -183,6 +191,20 @@ class GrainStream(grain.IterDataset):
         self.audit = audit
         HostLoader(source, global_batch_size=global_batch_size, shard=self.shard, options=options,
                    max_steps=max_steps)  # refuses a bad geometry or options here, not in the first next()
+        self.worker_steps = (0, 1)
+        """``(first, stride)``: the steps this copy serves (grain's worker processes set it)."""
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's worker processes: this copy serves every ``sl.step``-th step from ``sl.start``
+        (called in the worker, before it iterates)."""
+        if sequential_slice:
+            raise ConfigError("GrainStream with mp_prefetch(sequential_slice=True): a stream of steps has no "
+                              "contiguous block per worker; expected the default, interleaved steps")
+        if self.audit is not None:
+            raise ConfigError("GrainStream(audit=...) under grain's worker processes: each worker sees every "
+                              "W-th step, so none can log the mixture; audit the host batches in the main process")
+        start, _, step = sl.indices(1 << 62)
+        self.worker_steps = (int(start), int(step))
 
     def __iter__(self) -> GrainStreamIterator:
         return GrainStreamIterator(self)

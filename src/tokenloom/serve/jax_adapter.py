@@ -113,6 +113,15 @@ class HostLoader:
         """Change the blend weights from the next step on (every process, between steps)."""
         self._loader.reweight(weights)
 
+    def pass_steps(self, count: int) -> None:
+        """Move past the next ``count`` steps without reading them (another reader serves them:
+        grain's worker processes each serve every W-th step). Not stopped by ``max_steps``: the
+        state then names the step this reader serves next, which a run resumed with more steps
+        must start from."""
+        sampler = self._loader.sampler
+        for _ in range(int(count)):
+            sampler.next_step()
+
 
 def make_global_batch(host_batch: dict[str, np.ndarray], mesh, data_axis: str | tuple[str, ...] = "data") -> dict:
     """Assemble every process's rows into global ``jax.Array``s sharded along ``data_axis``.

@@ -45,17 +45,50 @@ class Locator(Protocol):
 
 
 class ArrayLocator:
-    """megatron-core's blend arrays, in memory or memory-mapped (exact mode)."""
+    """megatron-core's blend arrays, in memory or memory-mapped (exact mode).
 
-    def __init__(self, dataset_index: np.ndarray, dataset_sample_index: np.ndarray) -> None:
-        self.dataset_index = dataset_index
+    The arrays may be given as zero-argument callables that map them (a build's cache files):
+    they are then mapped on first use, ``num_samples`` must be given, and a pickled copy (a
+    DataLoader or grain worker) maps them anew instead of carrying their bytes."""
+
+    def __init__(self, dataset_index: np.ndarray | Callable[[], np.ndarray],
+                 dataset_sample_index: np.ndarray | Callable[[], np.ndarray], *,
+                 num_samples: int | None = None) -> None:
+        lazy = callable(dataset_index)
+        self._openers = (dataset_index, dataset_sample_index) if lazy else None
+        self._arrays = None if lazy else (dataset_index, dataset_sample_index)
+        if lazy and num_samples is None:
+            raise ConfigError("an ArrayLocator whose arrays open on first use needs num_samples")
+        self._num_samples = int(num_samples) if lazy else int(dataset_index.shape[0])
+
+    def _opened(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            arrays = (self._openers[0](), self._openers[1]())
+            if any(a.shape[0] != self._num_samples for a in arrays):
+                raise ConfigError(f"the blend's arrays hold {arrays[0].shape[0]} and {arrays[1].shape[0]} positions "
+                                  f"but the build recorded {self._num_samples}; run tokenloom cache verify")
+            self._arrays = arrays
+        return self._arrays
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self._openers is not None:
+            state["_arrays"] = None  # the copy maps its own
+        return state
+
+    @property
+    def dataset_index(self) -> np.ndarray:
         """(num_samples,) int16 (int32 beyond 32766 datasets): the dataset of each position."""
-        self.dataset_sample_index = dataset_sample_index
+        return self._opened()[0]
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray:
         """(num_samples,) int64: the sample of that dataset at each position."""
+        return self._opened()[1]
 
     @property
     def num_samples(self) -> int:
-        return int(self.dataset_index.shape[0])
+        return self._num_samples
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return (np.asarray(self.dataset_index[positions], dtype=np.int64),

@@ -132,6 +132,16 @@ class DatasetReader:
         self._prefix = prefix if prefix is not None else (self._store.prefix if self._store is not None
                                                           else getattr(store, "prefix", None))
 
+    def __getstate__(self) -> dict:
+        """A copy sent to another process (DataLoader or grain workers) opens its store and index
+        itself where they open on first use, instead of carrying the mapped arrays' bytes."""
+        state = dict(self.__dict__)
+        if self._open_store is not None:
+            state["_store"] = None
+        if self._open_indices is not None:
+            state["_indices"] = None
+        return state
+
     @property
     def store_open(self) -> bool:
         """Whether this reader's store is open (a build's readers open it on their first read)."""
