@@ -5,8 +5,9 @@ documents at a sample edge. Packing keeps them whole: a sample of ``capacity`` t
 (``seq_length + 1``, the extra token for the shifted labels) takes whole documents, and what no
 document fills is padding.
 
-The rule, per window of ``window`` consecutive documents (in the order given: the caller's
-shuffled epoch order), so that windows are independent and a build can divide them over ranks:
+The rule, per window of ``window`` consecutive documents (in the order given: the best-fit
+index's seeded order of a split, :mod:`tokenloom.index.best_fit_index`), so that windows are
+independent and a build can divide them over ranks:
 
 1. A document longer than a sample is cut into ``capacity``-token pieces, each a sample of its
    own, in document order; its remainder (``length % capacity`` tokens, its last ones) is packed
