@@ -140,7 +140,7 @@ def test_skips_and_weight_changes_reach_the_stream_and_its_state(split):
                           options=OPTIONS))
     for _ in range(2):
         _assert_equal(next(it), next(reference))
-    for target in (it, reference):
+    for target in (it.loader, reference):
         target.skip_steps(3, 4)
         target.reweight([0.2, 0.2, 0.6])
     for _ in range(3):

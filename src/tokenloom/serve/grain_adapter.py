@@ -16,7 +16,8 @@ fields are the ones every other loader serves:
 * :class:`GrainStream` -- tokenloom's global stream as a ``grain.IterDataset``: each element is
   this host's rows of one global batch, exactly :class:`~tokenloom.serve.jax_adapter.HostLoader`'s
   (process ``shard_index`` of ``shard_count`` reads rows ``[p G / P, (p + 1) G / P)`` of every
-  global batch of ``G``), with weight changes, skips and quarantines. Its iterator's grain state
+  global batch of ``G``), with weight changes, skips and quarantines (through the iterator's
+  ``loader``). Its iterator's grain state
   is tokenloom's serving state (:meth:`GrainStreamIterator.get_state`): the same on every host and
   free of the layout, so a run checkpointed through grain on 4 hosts restores on 2 or 8 with the
   identical global batches. Under grain's worker processes (``mp_prefetch``), worker ``k`` of
@@ -137,7 +138,9 @@ class GrainStreamIterator(grain.DatasetIterator):
 
     @property
     def loader(self) -> HostLoader:
-        """The :class:`HostLoader` underneath (its ``skip_steps``, ``quarantine``, ``reweight``)."""
+        """The :class:`HostLoader` underneath: skips, quarantines and weight changes go through its
+        ``skip_steps``, ``quarantine`` and ``reweight`` (every host, between steps) and travel in
+        :meth:`get_state`."""
         return self._loader
 
     def get_state(self) -> dict[str, Any]:
@@ -154,18 +157,6 @@ class GrainStreamIterator(grain.DatasetIterator):
             raise ConfigError(f"a {STATE_FORMAT} state of version {state.get('version')!r}; this tokenloom reads "
                               f"version {STATE_VERSION}")
         self._loader.load_state_dict(state["tokenloom"])
-
-    def skip_steps(self, first: int, stop: int) -> None:
-        """Never serve the samples of steps ``[first, stop)`` (every host, between steps)."""
-        self._loader.skip_steps(first, stop)
-
-    def quarantine(self, items) -> None:
-        """Never serve a sample holding any ``(store prefix, document id)`` of ``items`` again."""
-        self._loader.quarantine(items)
-
-    def reweight(self, weights) -> None:
-        """Change the blend weights from the next step on (every host, between steps)."""
-        self._loader.reweight(weights)
 
     def __str__(self) -> str:
         return f"GrainStreamIterator({self._dataset})"
