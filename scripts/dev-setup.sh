@@ -19,6 +19,10 @@ fi
 $PY -m pip install --quiet triton
 # torchdata's StatefulDataLoader; --no-deps so its bare `torch` requirement cannot pull a CUDA build.
 $PY -m pip install --quiet --no-deps "torchdata==0.11.0" && $PY -m pip install --quiet requests urllib3
+# torchtitan 0.3.0's dataloader and attention modules, for examples/torchtitan_source.py: --no-deps
+# (its declared needs include datasets, wandb and tensorboard, which those modules never import).
+$PY -m pip install --quiet --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro>=0.9" "docstring-parser>=0.16" \
+  "typeguard>=4.0"
 # JAX on the CPU, for the JAX adapter's multi-process tests.
 $PY -m pip install --quiet "jax[cpu]>=0.4.30"
-$PY -c "import tokenloom, torch, jax, torchdata, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| jax', jax.__version__, '| megatron-core ready')"
+$PY -c "import tokenloom, torch, jax, torchdata, torchtitan.components.dataloader, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| jax', jax.__version__, '| megatron-core ready')"

@@ -27,16 +27,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    """A byte-tokenized store of real text (standard-library sources), blended with itself by split."""
-    from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
-
+def build(tmp_path_factory, stdlib_store):
+    """A best-fit build of a byte-tokenized store of real text (standard-library sources)."""
     directory = tmp_path_factory.mktemp("maxtext")
-    library = os.path.dirname(os.__file__)
-    files = sorted(os.path.join(library, f) for f in os.listdir(library) if f.endswith(".py"))[:120]
-    store = tokenize_to_store(files, str(directory / "stdlib"), TokenizeConfig(tokenizer="bytes", workers=1,
-                                                                                skip_bad=True)).prefix
-    config = {"blend": [store], "split": "100,0,0", "seq_length": 64, "seed": 3, "train_samples": 16 * 40,
+    config = {"blend": [stdlib_store], "split": "100,0,0", "seq_length": 64, "seed": 3, "train_samples": 16 * 40,
               "valid_samples": 0, "test_samples": 0, "cache": str(directory / "cache"), "packing": "best_fit"}
     path = directory / "build.yaml"
     path.write_text(yaml.safe_dump(config))

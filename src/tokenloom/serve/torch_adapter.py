@@ -162,6 +162,11 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
             probe.next_step()
         return count
 
+    def start(self) -> MicroBatchSampler:
+        """A copy of the sampler where the next ``iter()`` starts (to count what a consumer was
+        given while workers read ahead)."""
+        return self._start.copy()
+
     def state_dict(self) -> dict[str, Any]:
         return self._start.state_dict()
 
