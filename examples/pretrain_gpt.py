@@ -33,6 +33,9 @@ attend under a mask built from ``document_ids``: FlexAttention's block mask, com
 pass. The boundaries come from the index's document pieces, so a store without EOD tokens is
 masked too.
 
+Rank 0 prints a line every ``--log-interval`` steps (step, loss, tokens per second, and the share
+of the time spent waiting for data) and a summary at the end; ``--quiet`` prints neither.
+
 ``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (0-based, as
 tokenloom's serving state, audit log and ``tokenloom where --step`` count),
 ``loss``, ``tokens`` (of the global batch), ``batch_fingerprint`` (of the global batch's samples,
@@ -177,6 +180,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
     p.add_argument("--metrics", help="append one JSON line per optimizer step here (rank 0)")
     p.add_argument("--save-interval", type=int, default=50, help="steps between checkpoints (and the last step)")
+    p.add_argument("--log-interval", type=int, default=10,
+                   help="rank 0 prints the step, loss, tokens/s and the data wait's share every this many steps")
+    p.add_argument("--quiet", action="store_true", help="print no progress lines and no summary")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64, help="model width")
     p.add_argument("--heads", type=int, default=4)
@@ -201,7 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="never train on a sample holding a piece of document DOC of store PREFIX from now on; kept "
                         "in the checkpoint. Repeatable")
     args = p.parse_args(argv)
-    for name in ("steps", "global_batch_size", "micro_batch_size", "save_interval", "layers", "hidden", "heads"):
+    for name in ("steps", "global_batch_size", "micro_batch_size", "save_interval", "log_interval", "layers",
+                 "hidden", "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}; expected a positive integer")
     return args
@@ -379,6 +386,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
     crash = tuple(int(x) for x in os.environ[CRASH_ENV].split(":")) if os.environ.get(CRASH_ENV) else None
 
     # 3. the loop: one optimizer step per global batch
+    progress = Progress(step, quiet=args.quiet or rank != 0)
     try:
         while step < args.steps:
             started = time.perf_counter()
@@ -431,15 +439,45 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                                     build_key=result.build_key, config=config, document_mask=args.document_mask)
                 if world > 1:
                     dist.barrier()  # no rank runs ahead of a checkpoint being written
+            progress.step(step, loss, tokens, time.perf_counter() - started, wait, args.log_interval)
             if metrics is not None:
                 record = {"step": step - 1, "loss": loss, "tokens": tokens,
                           "batch_fingerprint": fingerprint, "lr": lr, "step_s": time.perf_counter() - started,
                           "data_wait_s": wait, "dp": world}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+        progress.summary()
     finally:
         if metrics is not None:
             metrics.close()
+
+
+class Progress:
+    """Rank 0's progress lines: every ``--log-interval`` steps the step, the loss, tokens per second
+    and the share of the time spent waiting for data since the last line; a summary at the end."""
+
+    def __init__(self, step: int, *, quiet: bool) -> None:
+        self.quiet, self.first = quiet, step
+        self.window = self.whole = (0, 0.0, 0.0)  # tokens, seconds, seconds waiting for data
+        self.loss, self.last = math.nan, step
+
+    def step(self, step: int, loss: float, tokens: int, seconds: float, wait: float, interval: int) -> None:
+        self.window = tuple(a + b for a, b in zip(self.window, (tokens, seconds, wait)))
+        self.whole = tuple(a + b for a, b in zip(self.whole, (tokens, seconds, wait)))
+        self.loss, self.last = loss, step
+        if step % interval == 0 and not self.quiet:
+            tokens, seconds, wait = self.window
+            print(f"step {step}  loss {loss:.4f}  {tokens / seconds:,.0f} tokens/s  data wait {wait / seconds:.1%}",
+                  flush=True)
+            self.window = (0, 0.0, 0.0)
+
+    def summary(self) -> None:
+        tokens, seconds, wait = self.whole
+        if self.quiet or not seconds:
+            return
+        print(f"trained steps {self.first + 1}-{self.last}: final loss {self.loss:.4f}, {tokens:,} tokens in "
+              f"{seconds:.1f} s ({tokens / seconds:,.0f} tokens/s), data wait {wait / seconds:.1%} of the time",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,10 @@ def plot_mixture(log, path: str, *, max_datasets: int = 8) -> str:
     for k, (name, got, want) in enumerate(series):
         color = colors[k % len(colors)]
         label = os.path.basename(str(name)) or str(name)
-        ax.plot(steps, got, color=color, linewidth=1.8, label=f"{label}: realised")
-        ax.plot(steps, want, color=color, linewidth=1.0, linestyle="--", label=f"{label}: target")
+        # the realised share as a wide pale band, the target dashed on top of it: where they agree
+        # (a well-mixed blend) both stay visible
+        ax.plot(steps, got, color=color, linewidth=3.0, alpha=0.45, zorder=2, label=f"{label}: realised")
+        ax.plot(steps, want, color=color, linewidth=1.3, linestyle=(0, (4, 2)), zorder=3, label=f"{label}: target")
     weights = [tuple(r["target_weights"]) for r in records]
     changes = [int(steps[i]) for i in range(1, len(records)) if weights[i] != weights[i - 1]]
     for i, step in enumerate(changes):
@@ -86,11 +88,12 @@ def plot_mixture(log, path: str, *, max_datasets: int = 8) -> str:
         ax.annotate(f"{count:,} skipped", (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -12),
                     textcoords="offset points", fontsize=8, color="tab:red")
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole
     ax.set_ylabel("share of tokens served so far")
     ax.set_ylim(0.0, min(1.0, max(0.05, float(np.max(np.concatenate([realised, target], axis=1))) * 1.15)))
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Realised mixture over {len(records)} steps (build {str(log.header['build_key'])[:12]}): "
-                 "solid realised, dashed target")
+                 "pale realised, dashed target")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
     try:

@@ -39,7 +39,9 @@ def test_json_and_per_split_blends(tmp_path):
         "seq_length": 16, "samples": [100, 10, None]}))
     config = load_build_config(path, mode="exact")
     assert config.blend_for_split(2) is None
-    assert config.prefixes == ("a", "b", "c")
+    # the file's relative stores name files beside it; the build key keeps the spelling
+    assert config.prefixes == tuple(str(tmp_path / name) for name in "abc")
+    assert config.blend_for_split(0).spelt() == ("a", "b") and config.spelling(str(tmp_path / "c")) == "c"
     assert config.samples_per_split == (100, 10, None)
 
 

@@ -159,7 +159,7 @@ def test_a_failure_in_a_divided_blend_fails_every_rank_and_publishes_nothing(run
     messages = {o["error"] for o in outcomes}
     assert len(messages) == 1, messages
     message = messages.pop()
-    assert message.startswith(f"rank {world - 1} failed in build while building blend ")
+    assert "(while building blend " in message and message.endswith(f"[rank {world - 1}, build phase]"), message
     assert "injected fault" in message
     cache = Cache(str(root / "failed"))
     assert not [k for k in cache.item_keys() if cache.read_record(k)["kind"] == "blend"]

@@ -146,9 +146,17 @@ def test_a_checkpoint_of_another_build_or_a_second_start_is_refused(builds, tmp_
 def test_a_resume_can_skip_the_steps_around_a_loss_spike(builds, uninterrupted, tmp_path):
     _, build, _ = builds
     metrics = tmp_path / "metrics.jsonl"
-    train(build, tmp_path / "ckpt", ranks=2, steps=20, metrics=metrics)
+    out = train(build, tmp_path / "ckpt", ranks=2, steps=20, metrics=metrics).stdout
+    # rank 0 talks: a line every 10 steps (step, loss, tokens/s, the data wait's share) and a summary
+    lines = out.splitlines()
+    assert [line.split("  ")[0] for line in lines[:2]] == ["step 10", "step 20"], out
+    assert all(" tokens/s  data wait " in line and line.endswith("%") for line in lines[:2])
+    assert lines[2].startswith("trained steps 1-20: final loss ") and "data wait" in lines[2]
+    assert len(lines) == 3
     # resumed at step 20 on one rank, steps 25-29 skipped: step 25 trains on what step 30 had
-    train(build, tmp_path / "ckpt", ranks=1, steps=40, resume=True, metrics=metrics, extra=["--skip-steps", "25:30"])
+    out = train(build, tmp_path / "ckpt", ranks=1, steps=40, resume=True, metrics=metrics,
+                extra=["--skip-steps", "25:30", "--quiet"]).stdout
+    assert out == ""
     logged = _metrics(metrics)
     fingerprints = [m["batch_fingerprint"] for m in logged]
     reference = [m["batch_fingerprint"] for m in uninterrupted]

@@ -186,7 +186,7 @@ def test_errors_name_file_offset_and_expectation(tmp_path):
         IndexedDataset(prefix)
 
     os.remove(prefix + ".bin")
-    with pytest.raises(FormatError, match=r"s\.bin: no such file"):
+    with pytest.raises(FormatError, match=r"s: s\.bin is missing from "):
         IndexedDataset(prefix)
 
 

@@ -51,6 +51,33 @@ def test_the_mixture_picture(audit_log, tmp_path, capsys):
     assert out.stat().st_size > 20_000  # lines, labels and a legend, not an empty canvas
 
 
+def test_every_target_line_is_drawn_above_its_realised_line_and_steps_are_whole(tmp_path, monkeypatch):
+    """A blend that follows its weights exactly puts each target on its realised line: the target
+    is drawn on top, dashed, so it shows; 3 steps get integer ticks, not 0.25-steps."""
+    import tokenloom.plots as plots
+
+    prefixes = write_corpus(tmp_path, 2, seed=4)
+    source = StoreBlendSource.from_prefixes(prefixes, [0.5, 0.5], num_samples=200, seq_length=16, seed=3)
+    path = tmp_path / "short.jsonl"
+    loader = RankLoader(source, BatchGeometry(global_batch_size=8, micro_batch_size=8, dp=1),
+                        audit=MixtureAudit(path), max_steps=3)
+    for _ in loader:
+        pass
+    kept = []
+    monkeypatch.setattr(plots, "_save", lambda fig, out: (kept.append(fig), fig.canvas.draw(), out)[-1])
+    plots.plot_mixture(read_audit_log(path), str(tmp_path / "short.png"))
+    ax = kept[0].axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    names = {label.rsplit(": ", 1)[0] for label in lines if label.endswith(": target")}
+    assert len(names) == 2
+    for name in names:
+        realised, target = lines[f"{name}: realised"], lines[f"{name}: target"]
+        assert target.get_zorder() > realised.get_zorder() and target.get_linestyle() != "-"
+        assert realised.get_linewidth() > target.get_linewidth()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_the_memory_picture(tmp_path, capsys):
     out = tmp_path / "memory.png"
     code = cli_main(["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--num-gpus", "256",

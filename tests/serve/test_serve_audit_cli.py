@@ -38,6 +38,11 @@ def test_audit_table_and_drift_gate(log_path, capsys):
     assert main(["audit", str(log_path)]) == 0
     out = capsys.readouterr().out
     assert "| dataset" in out and "fingerprint" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 2  # header, rule, two datasets
+    bars = {tuple(i for i, c in enumerate(line) if c == "|") for line in table}
+    assert len(bars) == 1, "\n".join(table)  # every column lines up with its header
+    assert "-0.0000" not in out
     assert main(["audit", str(log_path), "--max-drift", "1"]) == 0
     assert main(["audit", str(log_path), "--max-drift", "-1"]) == 1
     assert "exceeds --max-drift" in capsys.readouterr().out

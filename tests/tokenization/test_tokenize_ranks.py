@@ -102,7 +102,7 @@ def test_a_bad_record_fails_every_rank_naming_its_file_and_line(corpus, tmp_path
     errors = {r.stderr.strip().splitlines()[-1] for r in results}
     assert len(errors) == 1  # every rank raised the same error, naming the line as one process would
     (error,) = errors
-    assert "failed in tokenize" in error and f"{big}:2501: " in error
+    assert "tokenize phase]" in error and f"{big}:2501: " in error
     assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
 
 

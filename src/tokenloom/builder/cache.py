@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import BuildError, FormatError
+from tokenloom.io.space import full_disk_error, is_full
 from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_arrays_atomic, write_json_atomic
 
 #: Version of the cache layout and key material; bump it when either changes.
@@ -237,6 +238,9 @@ class PackWriter:
 
 class Cache:
     """A cache directory (created on first write)."""
+
+    expected_bytes: int | None = None
+    """What the build in progress writes here in all, when known: named if the disk fills."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(str(root))
@@ -486,12 +490,17 @@ class Cache:
             os.rename(tmp, final)
             fsync_dir(os.path.dirname(final))
             write_pack_index(self.root, name, records)
-        except BaseException:
-            for path in (tmp,):
+        except BaseException as exc:
+            # a pack without its index is never read; a full disk takes its space back too
+            keys = os.path.join(self.root, PACKS_DIR, f"{name}{KEYS_SUFFIX}")
+            for path in (tmp, final, keys) if is_full(exc) else (tmp,):
                 try:
                     os.remove(path)
                 except FileNotFoundError:
                     pass
+            if is_full(exc):
+                raise full_disk_error(exc, self.root, f"a pack of {len(items)} built item(s)",
+                                      needed=self.expected_bytes) from None
             raise
         with self._index_lock:
             self._add_records(f"{name}.json", records)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.errors import BuildError, TokenloomError
+from tokenloom.io.space import full_disk_error, is_full
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,25 @@ class Failure:
     """Exception class name."""
     message: str
     """The exception's message."""
+    for_users: bool = False
+    """The exception is tokenloom's own (``tokenloom.errors``): its message is written for users."""
 
-    def describe(self) -> str:
-        where = f" while building {self.item}" if self.item else ""
-        return f"rank {self.rank} failed in {self.phase}{where}: {self.error_type}: {self.message}"
+    def describe(self, ranks: int = 2) -> str:
+        """The cause in the user's words first (a tokenloom error's message is written for them;
+        any other names its type), then what was being done; the rank and the phase only where
+        more than one rank ran (``ranks``)."""
+        cause = self.message if self.for_users else f"{self.error_type}: {self.message}"
+        if self.item and self.phase == "fingerprint":  # the item names the store, how it was found
+            text = f"{self.item}: {cause}"
+        elif self.item:
+            doing = self.item if self.item.split()[0] in _ACTIVITIES else f"building {self.item}"
+            text = f"{cause} (while {doing})"
+        else:
+            text = cause
+        return text if ranks == 1 else f"{text} [rank {self.rank}, {self.phase} phase]"
+
+
+_ACTIVITIES = frozenset({"publishing", "reading", "building", "writing", "tokenizing", "merging"})
 
 
 class CollectiveBuildError(BuildError):
@@ -63,8 +79,16 @@ class CollectiveBuildError(BuildError):
         self.failures = failures
 
 
-def failure_from(exc: BaseException, *, rank: int, phase: str, item: str | None) -> Failure:
-    return Failure(rank=rank, phase=phase, item=item, error_type=type(exc).__name__, message=str(exc))
+def failure_from(exc: BaseException, *, rank: int, phase: str, item: str | None, folder: str | None = None,
+                 needed: int | None = None) -> Failure:
+    """``exc`` as this rank's Failure. A full disk while writing into ``folder`` (the cache) becomes
+    the StorageError that names the folder and the space (``needed``: what the build writes)."""
+    if folder is not None and is_full(exc):
+        what = item if item and item.split()[0] in _ACTIVITIES else f"the arrays of {item or 'the build'}"
+        exc = full_disk_error(exc, folder, what.removeprefix("building "), needed=needed)
+        item = None  # the message names it
+    return Failure(rank=rank, phase=phase, item=item, error_type=type(exc).__name__, message=str(exc),
+                   for_users=isinstance(exc, TokenloomError))
 
 
 @dataclass
@@ -338,10 +362,11 @@ def agree(group, failure: Failure | None, *, phase: str, payload: Any = None) ->
     statuses = gather(group, (failure, payload), phase=phase)
     failures = sorted({f for f, _ in statuses if f is not None}, key=lambda f: (f.rank, f.describe()))
     if failures:
+        ranks = len(statuses)
         first = failures[0]
         more = "" if len(failures) == 1 else f" (and {len(failures) - 1} more: " + "; ".join(
-            f.describe() for f in failures[1:4]) + ("; ..." if len(failures) > 4 else "") + ")"
-        raise CollectiveBuildError(first.describe() + more, failures)
+            f.describe(ranks) for f in failures[1:4]) + ("; ..." if len(failures) > 4 else "") + ")"
+        raise CollectiveBuildError(first.describe(ranks) + more, failures)
     return [p for _, p in statuses]
 
 

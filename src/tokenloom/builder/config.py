@@ -92,6 +92,11 @@ class BuildConfig:
     cache_dir: str = "tokenloom_cache"
     """Directory of the cache (shared by all ranks, or node-local without a shared filesystem)."""
 
+    base_dir: str | None = None
+    """The folder relative store, cache and export paths resolve against: a config file's own
+    folder when it is read from a file (:func:`load_build_config`); None: the current directory
+    (paths given in Python or on the command line)."""
+
     megatron_cache_dir: str | None = None
     """Also write every exact index under megatron-core's file names and md5 keys here."""
 
@@ -129,8 +134,11 @@ class BuildConfig:
                 f"{'both' if self.blend is not None else 'neither'}; blend cuts every split from one "
                 "set of stores by `split`, blend_per_split gives each split its own stores"
             )
+        if self.base_dir is not None and (not isinstance(self.base_dir, (str, os.PathLike)) or not str(self.base_dir)):
+            raise ConfigError(f"base_dir={self.base_dir!r}; expected a directory path or None")
         if self.blend is not None:
             blend, budget = _parse_blend(self.blend, "blend")
+            blend = self._resolved(blend)
             if self.split is None:
                 raise ConfigError("BuildConfig.split is required with blend, e.g. split='969,30,1'")
             parse_split(self.split)
@@ -152,6 +160,7 @@ class BuildConfig:
             blends = []
             for b, name in zip(per_split, SPLIT_NAMES):
                 blend, budget = (None, None) if b is None else _parse_blend(b, f"blend_per_split[{name}]")
+                blend = None if blend is None else self._resolved(blend)
                 if budget is not None:
                     if name != "train":
                         raise ConfigError(f"blend_per_split[{name}] has a {budget[0]} budget; budgets count "
@@ -218,9 +227,9 @@ class BuildConfig:
             )
         if not isinstance(self.cache_dir, (str, os.PathLike)) or not str(self.cache_dir):
             raise ConfigError(f"cache_dir={self.cache_dir!r}; expected a directory path")
-        object.__setattr__(self, "cache_dir", str(self.cache_dir))
+        object.__setattr__(self, "cache_dir", self.resolve_path(str(self.cache_dir)))
         if self.megatron_cache_dir is not None:
-            object.__setattr__(self, "megatron_cache_dir", str(self.megatron_cache_dir))
+            object.__setattr__(self, "megatron_cache_dir", self.resolve_path(str(self.megatron_cache_dir)))
         check_number("timeout_s", self.timeout_s, positive=True, expected="a positive number of seconds")
         object.__setattr__(self, "rng_workers", check_non_negative_int("rng_workers", self.rng_workers))
         object.__setattr__(self, "blend_threads", check_non_negative_int("blend_threads", self.blend_threads))
@@ -302,6 +311,35 @@ class BuildConfig:
             return self.blend
         return self.blend_per_split[split_index]
 
+    def resolve_path(self, path: str) -> str:
+        """``path`` against :attr:`base_dir` when it is relative and local (an object-store URL or
+        an absolute path is itself; without a base_dir every path is itself)."""
+        if self.base_dir is None or "://" in path or os.path.isabs(path):
+            return path
+        return os.path.normpath(os.path.join(str(self.base_dir), path))
+
+    def _resolved(self, blend: BlendSpec) -> BlendSpec:
+        """``blend`` with its prefixes resolved against base_dir, keeping the spelling."""
+        resolved = tuple(self.resolve_path(p) for p in blend.prefixes)
+        if resolved == blend.prefixes:
+            return blend
+        return replace(blend, prefixes=resolved, written_prefixes=blend.spelt())
+
+    def spelling(self, prefix: str) -> str:
+        """How the config spelt the store it resolved to ``prefix`` (``prefix`` when unchanged)."""
+        for index in range(len(SPLIT_NAMES)):
+            blend = self.blend_for_split(index)
+            if blend is not None and blend.written_prefixes is not None and blend.has_prefix(prefix):
+                return blend.written_prefixes[blend.prefixes.index(prefix)]
+        return prefix
+
+    def describe_store(self, prefix: str) -> str:
+        """``store 'PREFIX'``, with how a relative spelling was resolved (for messages)."""
+        written = self.spelling(prefix)
+        if written == prefix:
+            return f"store {prefix!r}"
+        return f"store {written!r} (relative to the config file's folder {self.base_dir}: {prefix})"
+
     @property
     def prefixes(self) -> tuple[str, ...]:
         """Every distinct store prefix, in first-seen order."""
@@ -342,9 +380,15 @@ _LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None}
 
 
 def array_config(config: BuildConfig) -> dict[str, Any]:
-    """The values of :data:`ARRAY_FIELDS` that a build key hashes."""
-    return {name: value for name, value in config.to_dict().items() if name in ARRAY_FIELDS
-            and not (name in _LATER_ARRAY_DEFAULTS and value == _LATER_ARRAY_DEFAULTS[name])}
+    """The values of :data:`ARRAY_FIELDS` that a build key hashes, with the stores as the config
+    spelt them (a config's key does not depend on where it is run from)."""
+    out = {name: value for name, value in config.to_dict().items() if name in ARRAY_FIELDS
+           and not (name in _LATER_ARRAY_DEFAULTS and value == _LATER_ARRAY_DEFAULTS[name])}
+    out["blend"] = _blend_dict(config.blend, spelt=True)
+    per_split = config.blend_per_split
+    out["blend_per_split"] = (None if per_split is None else
+                              {name: _blend_dict(b, spelt=True) for name, b in zip(SPLIT_NAMES, per_split)})
+    return out
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -381,6 +425,9 @@ def _as_blend(value: Any, what: str) -> BlendSpec:
     budget_tokens = None
     if isinstance(value, BlendSpec):
         prefixes, weights, budget_tokens = value.prefixes, value.weights, value.budget_tokens
+        if value.written_prefixes is not None:  # already resolved (a replaced config): keep the spelling
+            checked = _as_blend({"prefixes": prefixes, "weights": weights, "budget_tokens": budget_tokens}, what)
+            return replace(checked, written_prefixes=value.written_prefixes)
     elif isinstance(value, Mapping):
         unknown = sorted(set(value) - {"prefixes", "weights", "budget_tokens"})
         if unknown or "prefixes" not in value:
@@ -435,10 +482,11 @@ def _parse_data_path(tokens: list[str], what: str) -> tuple[list[str], list[floa
     return [t.strip() for t in tokens], None
 
 
-def _blend_dict(blend: BlendSpec | None) -> dict | None:
+def _blend_dict(blend: BlendSpec | None, *, spelt: bool = False) -> dict | None:
     if blend is None:
         return None
-    out = {"prefixes": list(blend.prefixes), "weights": None if blend.weights is None else list(blend.weights)}
+    out = {"prefixes": list(blend.spelt() if spelt else blend.prefixes),
+           "weights": None if blend.weights is None else list(blend.weights)}
     if blend.budget_tokens is not None:  # what the weights were made from (they are the sample counts)
         out["budget_tokens"] = list(blend.budget_tokens)
     return out
@@ -482,12 +530,13 @@ def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build conf
         elif key in _SAMPLE_SOURCES:
             extra[key] = value
         else:
-            raise ConfigError(
-                f"{source}: unknown key {key!r}; known keys are {sorted(names | set(_SAMPLE_SOURCES))}"
-            )
+            raise ConfigError(f"{source}: unknown key {key!r}{_did_you_mean(key, names)}")
     for name in ("train_samples", "valid_samples", "test_samples", "seq_length", "seed"):
         if name in values:
             values[name] = _integral(values[name], name, source)
+    if base_dir is not None:  # a file's relative paths name files beside it
+        written = values.get("base_dir")
+        values["base_dir"] = os.path.abspath(os.path.join(base_dir, str(written)) if written else base_dir)
     counts = _samples_from_extra(extra, values, source, base_dir)
     for name, count in zip(("train_samples", "valid_samples", "test_samples"), counts):
         if count is not None:
@@ -501,6 +550,21 @@ def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build conf
         return BuildConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _did_you_mean(key: Any, names: set[str]) -> str:
+    """``; did you mean 'seq_length'?`` and the keys a config file takes, aliases by their field."""
+    import difflib
+
+    aliases: dict[str, list[str]] = {}
+    for alias, name in _ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    spellings = sorted(names | set(_SAMPLE_SOURCES) | set(_ALIASES))
+    close = difflib.get_close_matches(str(key), spellings, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    known = [f"{n} (or {', '.join(aliases[n])})" if n in aliases else n
+             for n in sorted(names | set(_SAMPLE_SOURCES))]
+    return f"{hint} The keys are: {', '.join(known)}"
 
 
 def _integral(value: Any, name: str, source: str) -> Any:
@@ -574,6 +638,9 @@ def load_build_config(path: str | os.PathLike, **overrides: Any) -> BuildConfig:
         raise ConfigError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
     config = build_config_from_dict(data, source=str(path), base_dir=str(path.parent))
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    for name in ("cache_dir", "megatron_cache_dir"):  # given outside the file: the current directory's
+        if name in overrides and "://" not in str(overrides[name]):
+            overrides[name] = os.path.abspath(str(overrides[name]))
     return replace(config, **overrides) if overrides else config
 
 

@@ -165,7 +165,8 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
                         f.seek(slot.offset)
                         f.write(slot.header)
     except Exception as exc:
-        failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+        failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
     try:
         prepared = agree(group, failure, phase="build", payload=(skip, tmp))
         if all(prepared[w][0] for w in writers):
@@ -210,7 +211,8 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
                 _write_block(fd, slots, w0, (out_dataset, out_sample))
             run = RangeRun(start_counts, counts)
         except Exception as exc:
-            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
         payload = None if run is None else (run.start_counts, run.end_counts)
         runs = [RangeRun(np.asarray(s), np.asarray(e))
                 for s, e in agree(group, failure, phase="build", payload=payload)]
@@ -223,7 +225,8 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
                 end = _repair_blocks(greedy, fd, slots, windows, states, true_start, buffers)
                 run = RangeRun(np.array(true_start, dtype=np.int64), runs[rank].end_counts if end is None else end)
             except Exception as exc:
-                failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+                failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
             runs = [RangeRun(np.asarray(s), np.asarray(e)) for s, e in
                     agree(group, failure, phase="build",
                           payload=None if failure else (run.start_counts, run.end_counts))]
@@ -246,7 +249,8 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
                     digests[k] += block_digests(data, ctx.block)
             os.fsync(fd)
         except Exception as exc:
-            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
     finally:
         if fd is not None:
             os.close(fd)
@@ -259,7 +263,8 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
         try:
             record = _publish(ctx, item, bounds, slots, path, gathered, rounds, started)
         except Exception as exc:
-            failure = failure_from(exc, rank=rank, phase="build", item=item.label)
+            failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
     records = agree(group, failure, phase="build", payload=record)
     return records[ctx.writer_of[rank]]
 
@@ -323,7 +328,8 @@ def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, 
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as exc:
-        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
     try:
         for source in range(group.world_size):
             for w0 in range(bounds[source], bounds[source + 1], ctx.block):
@@ -337,7 +343,9 @@ def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, 
                             blob = b"".join(memoryview(a).cast("B").tobytes()
                                             for a in _read_block(fd, slots, w0, w1, buffers))
                         except Exception as exc:
-                            failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+                            failure = failure_from(exc, rank=rank, phase="transfer", item=item.label,
+                                                   folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
                 try:
                     data = group.broadcast_bytes(blob, source, sum(nbytes))
                 except Exception as exc:
@@ -351,12 +359,14 @@ def _send_ranges(ctx: DividedContext, item: WorkItem, bounds, slots, path: str, 
                         _write_block(fd, slots, w0, (np.frombuffer(data[:split], dtype=slots[0].dtype),
                                                      np.frombuffer(data[split:], dtype=slots[1].dtype)))
                     except Exception as exc:
-                        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+                        failure = failure_from(exc, rank=rank, phase="transfer", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
             if source == group.world_size - 1 and receiving and failure is None:
                 try:
                     os.fsync(fd)
                 except OSError as exc:
-                    failure = failure_from(exc, rank=rank, phase="transfer", item=item.label)
+                    failure = failure_from(exc, rank=rank, phase="transfer", item=item.label, folder=ctx.cache.root,
+                                       needed=ctx.cache.expected_bytes)
             agree(group, failure, phase="transfer")
     finally:
         if fd is not None:

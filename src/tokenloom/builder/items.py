@@ -559,8 +559,9 @@ def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[
     return again if max(again.seconds_per_rank()) < max(plan.seconds_per_rank()) else plan
 
 
-def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
-    """The dry-run report: items per rank, estimated seconds, memory and cache size."""
+def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset(), cache_dir: str | None = None) -> str:
+    """The dry-run report: items per rank, estimated seconds, memory and cache size (against the
+    space free in ``cache_dir``'s filesystem, when given)."""
     loads = plan.seconds_per_rank()
     by_rank: dict[int, list[WorkItem]] = {r: plan.items_of_rank(r) for r in range(plan.world_size)}
     cached = sum(1 for item in plan.items if item.key in done)
@@ -592,6 +593,15 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset()) -> str:
     lines.append(f"  total {total:.2f} s of work; slowest rank {max(loads, default=0.0):.2f} s "
                  f"(set the job's timeout above this)")
     lines.append(f"  cache size {plan.cache_bytes / 2**20:,.1f} MiB")
+    if cache_dir is not None:
+        from tokenloom.io.space import format_bytes, free_bytes
+
+        to_write = sum(item.output_bytes for item in plan.items if item.key not in done)
+        free = free_bytes(cache_dir)
+        verdict = "" if free is None else (f"; {format_bytes(free)} free there: enough" if to_write <= free else
+                                           f"; only {format_bytes(free)} free there: the build would stop before "
+                                           "writing")
+        lines.append(f"  to write {format_bytes(to_write)} into {cache_dir}{verdict}")
     return "\n".join(lines)
 
 

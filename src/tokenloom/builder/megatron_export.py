@@ -14,6 +14,7 @@ import tempfile
 
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import WorkItem
+from tokenloom.io.space import full_disk_error, is_full
 
 
 def _write_bytes(target: str, data: bytes) -> None:
@@ -43,7 +44,19 @@ def _write_text(target: str, text: str) -> None:
 
 
 def export_megatron_item(cache: Cache, item: WorkItem, directory: str) -> list[str]:
-    """Place item's arrays and description in ``directory`` under megatron-core's names."""
+    """Place item's arrays and description in ``directory`` under megatron-core's names. A full
+    disk is a StorageError naming the folder; the files already placed are whole (temp file,
+    rename) and megatron-core takes an item only once its description, written last, is there."""
+    try:
+        return _export(cache, item, directory)
+    except OSError as exc:
+        if is_full(exc):
+            raise full_disk_error(exc, directory, f"megatron-core's files of {item.label}",
+                                  needed=item.output_bytes) from None
+        raise
+
+
+def _export(cache: Cache, item: WorkItem, directory: str) -> list[str]:
     if item.megatron is None:
         return []
     os.makedirs(directory, exist_ok=True)

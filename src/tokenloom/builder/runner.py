@@ -77,6 +77,7 @@ from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stat
 from tokenloom.builder.stores import FingerprintMemo, StoreInfo, fingerprint_store
 from tokenloom.builder.transfer import pack_item, unpack_item
 from tokenloom.errors import BuildError
+from tokenloom.io.space import check_space, full_disk_error, is_full
 from tokenloom.io.writer import compact_json
 from tokenloom.source.keys import build_key as make_build_key
 from tokenloom.source.keys import canonical_json
@@ -145,6 +146,11 @@ class _Build:
         self.timings: dict[str, float] = {}
         self.start_key: str | None = None
         self._memo: FingerprintMemo | None = None
+
+    def _failed(self, exc: BaseException, phase: str, item: str | None):
+        """This rank's Failure in a phase that writes into the cache (a full disk names it)."""
+        return failure_from(exc, rank=self.rank, phase=phase, item=item, folder=self.cache.root,
+                            needed=self.cache.expected_bytes)
 
     def _timed(self, phase: str, start: float) -> None:
         """Record the phase's wall seconds (``<phase>_s``) and this process's CPU seconds in it,
@@ -237,7 +243,8 @@ class _Build:
             try:
                 mine[prefix] = fingerprint_store(prefix, ranges_for(self.config, prefix), memo)
             except Exception as exc:
-                failure = failure_from(exc, rank=self.rank, phase="fingerprint", item=f"store {prefix}")
+                failure = failure_from(exc, rank=self.rank, phase="fingerprint",
+                                       item=self.config.describe_store(prefix))
                 break
         made = {}
         if failure is None and self.config.packing == "concat":
@@ -289,7 +296,7 @@ class _Build:
                     if self.cache.has(item.key, refresh=False):
                         known[item.key] = pack_stats(self.cache.read_record(item.key))
         except Exception as exc:
-            failure = failure_from(exc, rank=self.rank, phase="pack", item=None)
+            failure = self._failed(exc, "pack", None)
         for part in agree(self.group, failure, phase="pack", payload=known):
             self._pack_stats.update(part)
         missing = [item for item in items if item.key not in self._pack_stats]
@@ -309,14 +316,14 @@ class _Build:
                     elif not self._build_and_queue(item, packs, records, poller, lambda: None):
                         counts[item.key] = None  # another job built it: read its record below
                 except Exception as exc:
-                    failure = failure_from(exc, rank=self.rank, phase="pack", item=item.label)
+                    failure = self._failed(exc, "pack", item.label)
                     break
         finally:
             if packs is not None:
                 try:
                     packs.close()
                 except Exception as exc:
-                    failure = failure or failure_from(exc, rank=self.rank, phase="pack", item="publishing a pack")
+                    failure = failure or self._failed(exc, "pack", "publishing a pack")
                 self.cache.close_locks()
         if failure is None:
             try:
@@ -325,7 +332,7 @@ class _Build:
                         counts[key] = pack_stats(self.cache.read_record(key))
                 counts.update({key: pack_stats(record) for key, record in records.items()})
             except Exception as exc:
-                failure = failure_from(exc, rank=self.rank, phase="pack", item="reading a chunk's record")
+                failure = self._failed(exc, "pack", "reading a chunk's record")
         for part, built in agree(self.group, failure, phase="pack", payload=(counts, sorted(records))):
             self._pack_stats.update(part)
             self._packed.update(built)
@@ -395,7 +402,25 @@ class _Build:
         plan = assign_work(self.config, items, splits, self.world, everywhere_missing,
                            writers=tuple(sorted(writers)))
         self.writer_of = nodes
+        if not self.dry_run:
+            self._check_space(items, present, writers)
         return plan, nodes, present
+
+    def _check_space(self, items, present, writers) -> None:
+        """Every writer checks that its cache's filesystem holds what it will receive (the plan's
+        estimate), so that a build too big for its disk fails on every rank before it writes."""
+        failure = None
+        if self.rank in writers:
+            missing = [item for item in items if item.key not in present[self.rank]]
+            needed = sum(item.output_bytes for item in missing)
+            self.cache.expected_bytes = needed
+            try:
+                if needed:
+                    check_space(self.cache.root, needed, f"the build ({len(missing)} items to write; "
+                                "`tokenloom build --dry-run` prints this estimate)")
+            except Exception as exc:
+                failure = failure_from(exc, rank=self.rank, phase="plan", item=None)
+        agree(self.group, failure, phase="plan")
 
     # -- 3. build -------------------------------------------------------------------------------
     def _build_items(self, plan: BuildPlan) -> tuple[set[str], list[dict]]:
@@ -435,7 +460,7 @@ class _Build:
                     self._build_and_queue(item, packs, records, poller,
                                           lambda i=draws_index: drawer.get(i) if exact else None)
                 except Exception as exc:
-                    failure = failure_from(exc, rank=self.rank, phase="build", item=item.label)
+                    failure = self._failed(exc, "build", item.label)
                     break
                 if blend_thread is not None and blend_thread.failure is not None:
                     break
@@ -449,7 +474,7 @@ class _Build:
                 packs.close()  # publishes what was finished, even after a failure
             except Exception as exc:
                 if failure is None:
-                    failure = failure_from(exc, rank=self.rank, phase="build", item="publishing a pack")
+                    failure = self._failed(exc, "build", "publishing a pack")
             self.cache.close_locks()
         measured = {"rank": self.rank, "predicted_s": round(plan.seconds_per_rank()[self.rank], 6),
                     "wall_s": round(time.perf_counter() - started, 6), "cpu_s": round(_cpu_seconds() - cpu, 6)}
@@ -547,7 +572,7 @@ class _Build:
                     try:
                         blob = pack_item(self.cache, item.key)
                     except Exception as exc:
-                        failure = failure or failure_from(exc, rank=self.rank, phase="transfer", item=item.label)
+                        failure = failure or self._failed(exc, "transfer", item.label)
                         blob = b""
                     size_blob = len(blob).to_bytes(8, "little")
                 try:
@@ -563,12 +588,12 @@ class _Build:
                     try:
                         unpack_item(packs, self.cache, item.key, data)
                     except Exception as exc:
-                        failure = failure_from(exc, rank=self.rank, phase="transfer", item=item.label)
+                        failure = self._failed(exc, "transfer", item.label)
         finally:
             try:
                 packs.close()
             except Exception as exc:
-                failure = failure or failure_from(exc, rank=self.rank, phase="transfer", item="publishing a pack")
+                failure = failure or self._failed(exc, "transfer", "publishing a pack")
         agree(self.group, failure, phase="transfer")
 
     # -- 5. finalize ----------------------------------------------------------------------------
@@ -603,7 +628,9 @@ class _Build:
                 for item in share:
                     export_megatron_item(self.cache, item, self.config.megatron_cache_dir)
         except Exception as exc:
-            failure = failure_from(exc, rank=self.rank, phase="finalize", item=None)
+            if is_full(exc):  # the manifest or the warm-start record (the export says its own)
+                exc = full_disk_error(exc, self.cache.root, "the build's manifest")
+            failure = self._failed(exc, "finalize", None)
         return build_key, failure
 
     def _write_manifest(self, plan, infos, built, build_key, array_config) -> str:
@@ -672,7 +699,7 @@ class _BlendThread:
                     build.before_item(item, build.rank)
                 build._build_and_queue(item, packs, records, poller, lambda: None)
             except Exception as exc:
-                self.failure = failure_from(exc, rank=build.rank, phase="build", item=item.label)
+                self.failure = build._failed(exc, "build", item.label)
                 break
         if not divided:
             return
@@ -689,7 +716,7 @@ class _BlendThread:
                 self.failure = self.failure or exc.failures[0]
                 return
             except Exception as exc:
-                self.failure = self.failure or failure_from(exc, rank=build.rank, phase="build", item=item.label)
+                self.failure = self.failure or build._failed(exc, "build", item.label)
                 return
 
     def join(self) -> None:

@@ -125,7 +125,7 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
         if runs[rank]:
             summary = _tokenize_part(runs[rank], part, config, tokenizer, record)
     except Exception as exc:
-        failure = failure_from(exc, rank=rank, phase="tokenize", item=f"part {rank} of {world}")
+        failure = failure_from(exc, rank=rank, phase="tokenize", item=f"tokenizing part {rank} of {world}")
     summaries = agree(group, failure, phase="tokenize", payload=summary)
     documents = sum(s["documents"] for s in summaries if s)
     tokens = sum(s["tokens"] for s in summaries if s)
@@ -146,14 +146,14 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
             writer.reserve(sum(sizes))
             target = writer.temp_bin_path
         except Exception as exc:
-            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=output)
+            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"merging the parts into {output}")
     try:
         target = agree(group, failure, phase="tokenize merge", payload=target)[0]
         try:
             if runs[rank]:
                 _copy_into(part + ".bin", target, sum(sizes[:rank]))
         except Exception as exc:
-            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"part {rank} of {world}")
+            failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"tokenizing part {rank} of {world}")
         agree(group, failure, phase="tokenize merge")
         if rank == 0:
             try:
@@ -163,7 +163,7 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
                                                empty=empty, skipped=skipped))
                 shutil.rmtree(parts_dir, ignore_errors=True)
             except Exception as exc:
-                failure = failure_from(exc, rank=rank, phase="tokenize merge", item=output)
+                failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"merging the parts into {output}")
     finally:
         if writer is not None:
             writer.abort()  # nothing once finalized; else the hidden .bin goes

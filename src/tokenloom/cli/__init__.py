@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tokenloom._version import __version__
@@ -43,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
+        return status
+    except BrokenPipeError:
+        # the reader went away (`tokenloom where ... | head`): stop quietly, as Unix tools do; the
+        # output still buffered goes to /dev/null so that exit does not fail on it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except TokenloomError as exc:
         print(f"tokenloom {args.command}: error: {exc}", file=sys.stderr)
         return 2

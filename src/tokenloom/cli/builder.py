@@ -19,8 +19,11 @@ def add_build_parser(subparsers) -> None:
         "ready indices for every split, cached. Runs alone or under torchrun: every rank builds part "
         "of the work, and all ranks fail together if one fails.",
     )
-    p.add_argument("config", metavar="CONFIG", help="build config file (.yaml/.yml or .json)")
-    p.add_argument("--cache", metavar="DIR", help="cache directory (overrides cache_dir in CONFIG)")
+    p.add_argument("config", metavar="CONFIG",
+                   help="build config file (.yaml/.yml or .json); relative paths in it (stores, cache) name "
+                        "files beside the config file, wherever the command runs")
+    p.add_argument("--cache", metavar="DIR",
+                   help="cache directory (overrides cache_dir in CONFIG; a relative DIR is the current directory's)")
     p.add_argument("--mode", choices=("exact", "stateless"),
                    help="exact: megatron-core's arrays bit for bit; stateless: tokenloom's Feistel index")
     p.add_argument("--packing", choices=("concat", "best_fit"),
@@ -65,7 +68,7 @@ def run_build(args) -> int:
 
     def on_plan(plan, cached) -> None:
         if args.dry_run:
-            print(format_plan(plan, done=cached))
+            print(format_plan(plan, done=cached, cache_dir=config.cache_dir))
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
                   f"{len(plan.items) - len(cached)} to build on {plan.world_size} rank(s), "

@@ -52,19 +52,18 @@ def run_audit(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     print(f"{args.log}: build {log.header['build_key'][:16]}  steps {len(log.records)}  "
           f"seq_length {log.header['seq_length']}")
-    width = max([len("dataset")] + [len(str(r["dataset"])) for r in rows])
     budgets = any("budget_tokens" in r for r in rows)
-    extra = " budget tokens | of budget |" if budgets else ""
-    print(f"| {'dataset':<{width}} | target | tokens | realised | drift | max abs drift |{extra}")
-    print(f"|{'-' * (width + 2)}|-------:|-------:|---------:|------:|--------------:|"
-          + ("--------------:|----------:|" if budgets else ""))
+    headers = ["dataset", "target", "tokens", "realised", "drift", "max abs drift"]
+    headers += ["budget tokens", "of budget"] if budgets else []
+    table = []
     for r in rows:
-        cells = ""
+        cells = [str(r["dataset"]), f"{r['target']:.4f}", f"{r['tokens']:,}", f"{r['realised']:.4f}",
+                 f"{r['drift'] if abs(r['drift']) >= 5e-5 else 0.0:+.4f}", f"{r['max_abs_drift']:.4f}"]
         if budgets:
             used = "" if r.get("budget_used") is None else f"{100 * r['budget_used']:.1f}%"
-            cells = f" {r['budget_tokens'] or 0:,} | {used} |"
-        print(f"| {r['dataset']:<{width}} | {r['target']:.4f} | {r['tokens']:,} | {r['realised']:.4f} | "
-              f"{r['drift']:+.4f} | {r['max_abs_drift']:.4f} |{cells}")
+            cells += [f"{r['budget_tokens'] or 0:,}", used]
+        table.append(cells)
+    print(markdown_table(headers, table, right=range(1, len(headers))))
     if skips["skipped_samples"]:
         steps = skips["steps"]
         print(f"skipped {skips['skipped_samples']:,} samples in {len(skips['ranges'])} range(s), jumped before "
@@ -76,6 +75,20 @@ def run_audit(args: argparse.Namespace) -> int:
     if failed:
         print(f"drift {worst:.4f} exceeds --max-drift {args.max_drift}")
     return 1 if failed else 0
+
+
+def markdown_table(headers: list[str], rows: list[list[str]], *, right=()) -> str:
+    """A Markdown table whose columns line up in a terminal too: every cell padded to its column's
+    width, the columns in ``right`` right-aligned (numbers)."""
+    right = set(right)
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i in right else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
 
 
 def _open_split(config: str, split: str):

@@ -82,6 +82,14 @@ class BlendSpec:
     """Training tokens each dataset was given instead of a share (a token or epoch budget), when
     the weights were derived from budgets: the weights are then the sample counts
     ``budget // seq_length`` (see ``tokenloom.builder.config``); None when weights were given."""
+    written_prefixes: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
+    """The prefixes as a config file spelt them, where ``prefixes`` are those resolved against the
+    file's folder; None when they are the same. Build keys and megatron-core's file names are made
+    from the spelling, so moving the directory a config is run from changes neither."""
+
+    def spelt(self) -> tuple[str, ...]:
+        """The prefixes as the config spelt them (what keys and megatron-core's names hash)."""
+        return self.prefixes if self.written_prefixes is None else self.written_prefixes
 
     def has_prefix(self, prefix: str) -> bool:
         """Whether ``prefix`` is one of the blend's datasets (O(1): blends hold 10,000 stores)."""
@@ -92,6 +100,11 @@ class BlendSpec:
         if not prefixes or any(not isinstance(p, str) or not p for p in prefixes):
             raise ConfigError(f"prefixes={self.prefixes!r}; expected a non-empty sequence of non-empty strings")
         object.__setattr__(self, "prefixes", prefixes)
+        if self.written_prefixes is not None:
+            written = tuple(self.written_prefixes)
+            if len(written) != len(prefixes):
+                raise ConfigError(f"{len(written)} written prefixes for {len(prefixes)} prefixes; expected one each")
+            object.__setattr__(self, "written_prefixes", None if written == prefixes else written)
         object.__setattr__(self, "_prefix_set", frozenset(prefixes))  # not a field: O(1) membership
         object.__setattr__(self, "_sizes", {})  # not a field: megatron_sizes by (num_samples, surplus)
         if self.weight_unit not in WEIGHT_UNITS:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from tokenloom.errors import ConfigError
 from tokenloom.io.format import normalize_prefix
 from tokenloom.io.reader import IndexedDataset
 from tokenloom.io.report import validate
+from tokenloom.io.space import check_space
 from tokenloom.io.writer import IndexedDatasetWriter
 
 
@@ -50,7 +53,11 @@ def merge_stores(prefixes, output_prefix) -> IndexedDataset:
             )
     metadata = _merged_metadata(datasets)
 
+    # the whole .bin is known: say so before writing rather than after the disk fills
+    needed = sum(ds.bin_size + ds.header.expected_idx_size() for ds in datasets)
+    check_space(os.path.dirname(os.path.abspath(output_prefix)), needed, f"the merged store {output_prefix}")
     writer = IndexedDatasetWriter(output_prefix, dtype=datasets[0].dtype)
+    writer.expected_bytes = needed
     try:
         for ds in datasets:
             writer.append_store(ds)

@@ -60,12 +60,14 @@ class IndexedDataset:
             idx_size, self.bin_size = self.idx_info.size, self.bin_info.size
             local_idx = remote.fetch_to_node_cache(self.idx_info)
         else:
-            for path in (self.idx_path, self.bin_path):
-                if not os.path.isfile(path):
-                    raise FormatError(
-                        f"{path}: no such file; a token store needs both {self.prefix}.idx and "
-                        f"{self.prefix}.bin"
-                    )
+            missing = [os.path.basename(p) for p in (self.idx_path, self.bin_path) if not os.path.isfile(p)]
+            if missing:
+                where, base = os.path.split(os.path.abspath(self.prefix))
+                if len(missing) == 2:
+                    raise FormatError(f"no token store at {self.prefix}: {where} has neither {base}.idx nor "
+                                      f"{base}.bin")
+                raise FormatError(f"{self.prefix}: {missing[0]} is missing from {where} (a token store is the "
+                                  f"pair {base}.idx and {base}.bin)")
             local_idx = self.idx_path
             idx_size, self.bin_size = os.path.getsize(self.idx_path), os.path.getsize(self.bin_path)
         with open(local_idx, "rb") as f:

@@ -27,6 +27,7 @@ from tokenloom.io.format import (
     normalize_prefix,
 )
 from tokenloom.io.s3 import is_remote
+from tokenloom.io.space import full_disk_error, is_full
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -115,6 +116,14 @@ def _write_atomic(path: str, write: Callable[[Any], Any]) -> None:
         raise
 
 
+def _close_quietly(f) -> None:
+    """Close a file being discarded; flushing its buffer into a full disk fails, and is not needed."""
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -184,6 +193,9 @@ class IndexedDatasetWriter:
         self._num_tokens = 0
         self._last_boundary = 0
         self._state = "open"
+        self.expected_bytes: int | None = None
+        """What the whole store will take, where the caller knows it (a merge): named when the
+        disk fills."""
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             self._token_range = (int(info.min), int(info.max))
@@ -215,8 +227,20 @@ class IndexedDatasetWriter:
                 )
         return np.ascontiguousarray(tokens, dtype=self.dtype)
 
+    def _full(self, exc: OSError, *, needed: int | None = None):
+        """The StorageError of a full disk, after discarding everything written."""
+        self.abort()
+        return full_disk_error(exc, os.path.dirname(os.path.abspath(self.prefix)), f"the token store {self.prefix}",
+                               needed=needed if needed is not None else self.expected_bytes,
+                               written=self._num_tokens * self.dtype.itemsize)
+
     def _append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self._bin.write(tokens.tobytes())
+        try:
+            self._bin.write(tokens.tobytes())
+        except OSError as exc:
+            if is_full(exc):
+                raise self._full(exc) from None
+            raise
         self._length_chunks.append(lengths.astype(np.int32))
         self._num_sequences += int(lengths.size)
         self._num_tokens += int(tokens.size)
@@ -296,7 +320,12 @@ class IndexedDatasetWriter:
                 f"(dtype {self.dtype}); stores must share one token dtype"
             )
         if copy_bytes:
-            dataset.copy_bin_to(self._bin)
+            try:
+                dataset.copy_bin_to(self._bin)
+            except OSError as exc:
+                if is_full(exc):
+                    raise self._full(exc) from None
+                raise
         self._length_chunks.append(np.array(dataset.sequence_lengths, dtype=np.int32))
         # boundaries of the appended documents, shifted past the sequences already written
         self._boundary_chunks.append(np.asarray(dataset.document_indices[1:]) + self._num_sequences)
@@ -342,11 +371,18 @@ class IndexedDatasetWriter:
             os.replace(self._bin_tmp, bin_path(self.prefix))
             os.replace(idx_tmp, idx_path(self.prefix))
             fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
-        except BaseException:
+        except BaseException as exc:
             self._state = "aborted"
+            _close_quietly(self._bin)
             _remove_quietly(self._bin_tmp)
             if idx_tmp is not None:
                 _remove_quietly(idx_tmp)
+            if is_full(exc):
+                index_bytes = 8 * (self._num_sequences * 2 + self._last_boundary + 1) + 64
+                raise full_disk_error(exc, os.path.dirname(os.path.abspath(self.prefix)),
+                                      f"the token store {self.prefix}",
+                                      needed=self.expected_bytes or self._num_tokens * self.dtype.itemsize
+                                      + index_bytes) from None
             raise
         self._state = "finalized"
 
@@ -355,10 +391,8 @@ class IndexedDatasetWriter:
         if self._state != "open":
             return
         self._state = "aborted"
-        try:
-            self._bin.close()
-        finally:
-            _remove_quietly(self._bin_tmp)
+        _close_quietly(self._bin)  # its buffer goes with the file: a full disk must not fail the abort
+        _remove_quietly(self._bin_tmp)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

@@ -21,6 +21,7 @@ record an empty piece where a sample starts exactly at a document's end; it hold
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -84,13 +85,26 @@ def where(source: BlendedSource, positions) -> list[SampleOrigin]:
 
 def datasets_of(source: BlendedSource, prefix: str) -> list[int]:
     """Dataset ids of ``source`` that read store ``prefix``; ConfigError naming the stores if none."""
-    wanted = normalize_prefix(prefix)
-    found = [d for d, reader in enumerate(source.readers) if normalize_prefix(reader.prefix) == wanted]
+    wanted = store_identity(prefix)
+    found = [d for d, reader in enumerate(source.readers) if store_identity(reader.prefix) == wanted]
     if not found:
         names = [reader.prefix for reader in source.readers]
-        raise ConfigError(f"store {prefix!r} is not in the {source.name} split; its stores are "
+        shown = f" ({wanted})" if wanted != str(prefix) else ""
+        raise ConfigError(f"store {prefix!r}{shown} is not in the {source.name} split; its stores are "
                           f"{names[:10]}{' ...' if len(names) > 10 else ''}")
     return found
+
+
+def store_identity(prefix) -> str:
+    """The file a store prefix names, however it is spelt: relative (to the current directory),
+    ``./``, absolute, through a symbolic link, or with its ``.idx``/``.bin`` suffix. An object-store
+    URL is itself."""
+    prefix = normalize_prefix(prefix)
+    if "://" in prefix:
+        return prefix
+    if os.path.exists(prefix + ".idx"):  # a link to the .idx names the store it points to
+        return normalize_prefix(os.path.realpath(prefix + ".idx"))
+    return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(prefix))), os.path.basename(prefix))
 
 
 def _samples_holding_exact(indices: GPTIndices, sequence_lengths: np.ndarray, document: int) -> np.ndarray:

@@ -606,7 +606,8 @@ def parse_chunk(chunk: RawChunk, *, text_key: str = "text", first_bad_only: bool
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            if reject(number, "malformed_json", f"{path}:{number}: malformed JSON: {exc.msg} at column {exc.colno}"):
+            reason = exc.msg.removesuffix(" at")  # json's "Unterminated string starting at" wants a position
+            if reject(number, "malformed_json", f"{path}:{number}: malformed JSON: {reason} at column {exc.colno}"):
                 break
             continue
         if not isinstance(obj, dict):
