@@ -145,3 +145,55 @@ def test_a_broken_gather_names_a_timeout_only_when_it_timed_out():
         gather(_BrokenGroup("unexpected failure"), None, phase="plan")
     message = str(info.value)
     assert "rank 1: the build's gather failed in the plan phase (RuntimeError: unexpected failure)" in message
+
+
+RELEASE_SCRIPT = r"""
+import gc, json, os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from tokenloom.builder.collective import TorchGroup, gather
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                        timeout=timedelta(seconds=60))
+group = TorchGroup(timeout_s=60)
+group.all_gather_object(rank)  # the first gather's root is rank 0; the second's is rank 1
+gc.disable()  # nothing may depend on the collector running
+if rank == 1:
+    time.sleep(2)  # ranks 0 and 2 are already waiting on rank 1, the root
+started = time.perf_counter()
+try:
+    gather(group, (lambda: None) if rank == 1 else rank, phase="test")  # rank 1 cannot pickle its payload
+    error = None
+except Exception as exc:
+    error = str(exc)
+finally:
+    group.close()  # what the build's and the tokenization's cleanup do
+print(json.dumps({"error": error, "seconds": time.perf_counter() - started}), flush=True)
+time.sleep(20)  # alive after giving up: only the close can release a rank blocked on this one
+"""
+
+
+def test_a_rank_that_gives_up_releases_the_ranks_blocked_on_it_at_once():
+    """Rank 1, the second gather's root, fails before the collective (its payload does not pickle),
+    closes the group and lives on; ranks 0 and 2, blocked on it, must fail at once, not at their
+    60 s timeout or rank 1's exit 20 s later. Before, close() destroyed the group but the group
+    object kept it (and a failed collective's traceback, through torch's frames, in a cycle only
+    the garbage collector breaks), so gloo's connections stayed open."""
+    pytest.importorskip("torch.distributed")
+    port = free_port()
+    env = dict(os.environ)
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, "-c", RELEASE_SCRIPT, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        outcomes = [json.loads(proc.stdout.readline() or "null") for proc in procs]  # before their 20 s sleep
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert all(o is not None and o["error"] for o in outcomes), outcomes
+    assert "the build's gather failed in the test phase" in outcomes[1]["error"]
+    for rank in (0, 2):
+        assert "killed or hung" in outcomes[rank]["error"], outcomes
+        assert outcomes[rank]["seconds"] < 12, outcomes  # rank 1 gave up 2 s in; 20+ s: they waited for its exit

@@ -5,8 +5,8 @@ the same ranks (so it works under NCCL jobs, on CPU, with a timeout of its own).
 with :func:`agree`: each rank contributes ``None`` or the failure it caught, all ranks gather
 them, and if any rank failed every rank raises the same :class:`BuildError`, built from the
 gathered list alone. A gather is one gloo gather on a root (a different rank each time) and one
-broadcast from it, not gloo's ring all-gather, whose 2 (N - 1) dependent steps made each call
-cost a rank ~10x more at 16 ranks (:meth:`TorchGroup.all_gather_object`). A rank that died makes
+broadcast from it, not gloo's ring all-gather, whose 2 (N - 1) dependent steps make each call's
+latency grow with the ranks (:meth:`TorchGroup.all_gather_object`). A rank that died makes
 the root's gather fail (gloo reports the closed connection); the root raises and closes the group,
 so the ranks waiting for its broadcast fail too. A hung rank makes every rank fail at the group's
 timeout. Survivors turn either into a BuildError.
@@ -23,6 +23,7 @@ import pickle
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,12 +164,33 @@ TREE_WIDTH_BYTES = 1 << 22
 ``N * width`` bytes of the round, the binomial broadcast sends all ``ceil(log2(N))`` times in turn
 where the ring sends them once, but the ring waits for ``2 (N - 1)`` dependent steps. With ``L``
 seconds a step and ``B`` bytes a second the tree is faster while ``width * log2(N) < 2 L B``. A
-step is slow when the ranks do not arrive together, as in a build: inside a 16-rank build on this
-benchmark's 2 cores, one ring all-gather of about 160 kB a rank cost each rank 0.09 CPU-s and 0.7 s,
-eight gathers and broadcasts of up to as much 0.01 CPU-s and 0.15 s. At ``L`` = 200 us and 10 GB/s
-the bound is 4 MB: a width of 1 MB at 16 ranks, 400 kB at 1024, far above the build's payloads
-(the largest, the gathered dataset items, is about 1.5 kB per store: 15 kB a rank for 10,000
-stores on 1024 ranks)."""
+step is slow when the ranks do not arrive together, as in a build, where every rank is busy with
+its own work between collectives: each of the ring's dependent steps waits for a rank that is
+late, so ``L`` is large and the ring costs every rank CPU as well as time (BENCHMARKS.md, "Cluster
+scale"). The bound, 4 MiB, is about ``2 L B`` for an assumed ``L`` = 200 us and ``B`` = 10 GB/s:
+a width of 1 MB at 16 ranks, 400 kB at 1024, far above the build's payloads (the largest, the
+gathered dataset items, grows with the stores a rank holds), so the ring is left to payloads
+where its bytes per rank, which do not grow with ``N``, outweigh its steps."""
+
+
+def _releasing_group(method):
+    """A collective whose failure leaves no reference to the process group behind.
+
+    torch's frames in a failed collective's traceback hold the group, in a reference cycle (its
+    exception logger keeps the error), so until the cyclic collector happens to run, the group,
+    and the connections that tell the ranks blocked on this one that it gave up, would outlive
+    the :meth:`TorchGroup.close` of the caller's cleanup: those ranks would wait for this
+    process's exit or their timeout. Clearing the frames lets close() release them at once."""
+
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
 
 
 class TorchGroup:
@@ -203,11 +225,13 @@ class TorchGroup:
         threads can run collectives at once, one group each."""
         return TorchGroup(self._parent, timeout_s=self.timeout_s)
 
+    @_releasing_group
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank: pickled once, gathered on one rank and broadcast from it
         down a binomial tree, unpickled with the garbage collector paused. The root takes turns
         (group rank ``k mod N`` for the ``k``-th gather): it receives every rank's bytes and sends
-        the most, 2.5 CPU-ms a gather against 0.6 for the others at 16 ranks on 2 cores.
+        the most, work that grows with ``N`` while the others' does not, so no rank carries it
+        on every call.
 
         The first round carries each rank's length and the first ``SLOT_BYTES - 8`` bytes of its
         pickle, which is all of it for most calls (an agreement with no failure and a small
@@ -216,12 +240,12 @@ class TorchGroup:
         (:data:`TREE_WIDTH_BYTES`), else by gloo's ring all-gather, which moves large payloads
         with no rank sending more than its share.
 
-        gloo's all-gather is a ring of ``2 (N - 1)`` dependent steps, so its latency grows with
-        the ranks: at 16 ranks sharing 2 cores one all-gather of 8 bytes cost each rank 4.3 CPU-ms,
-        a gather and a broadcast 0.36 (BENCHMARKS.md, cluster scale); a gather is one step and the
-        broadcast ``log2 N``. Unpickling with the collector paused matters as much for large
-        payloads: thousands of unpickled items trigger collections that each walk everything the
-        rank holds, a cost that grows with the heap, not the payload."""
+        gloo's all-gather is a ring of ``2 (N - 1)`` dependent steps, so its latency grows
+        linearly with the ranks, as does each rank's CPU (a send and a receive every step); a
+        gather is one step and the broadcast ``log2 N`` (BENCHMARKS.md, "Cluster scale").
+        Unpickling with the collector paused matters as much for large payloads: thousands of
+        unpickled items trigger collections that each walk everything the rank holds, a cost that
+        grows with the heap, not the payload."""
         import numpy as np
 
         started = time.perf_counter()
@@ -277,6 +301,7 @@ class TorchGroup:
         self.traffic.bytes_sent += nbytes
         self.traffic.seconds += time.perf_counter() - started
 
+    @_releasing_group
     def broadcast_bytes(self, data: bytes | None, src: int, size: int) -> bytes:
         """``size`` bytes from group rank ``src`` to every rank (``data`` is read on ``src``)."""
         import numpy as np
@@ -296,10 +321,16 @@ class TorchGroup:
         self.all_gather_object(None)
 
     def close(self) -> None:
+        """Destroy the group and drop it: the last reference gone, gloo closes its connections,
+        so a peer blocked on this rank fails at once instead of at its timeout or this process's
+        exit (gloo's shutdown alone leaves them open)."""
+        if self.group is None:
+            return
         try:
             self._dist.destroy_process_group(self.group)
         except Exception:  # pragma: no cover - best effort on teardown
             pass
+        self.group = None
 
 
 def open_group(group=None, *, timeout_s: float):
