@@ -63,8 +63,8 @@ _HASH_CHUNK = 1 << 24
 
 #: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
 #: A rank holds what it has not published (up to this, plus one pack being written), so this bounds
-#: its memory: 8 MiB keeps it to 16 MiB of finished arrays (BENCHMARKS.md, "Cluster scale"), for
-#: about 500 packs per build of 3.7 GB.
+#: its memory: 8 MiB keeps it to 16 MiB of finished arrays. Smaller packs would hold less but make
+#: more of them, and every listing of the packs reads the whole directory (:meth:`Cache.refresh`).
 PACK_BYTES = 1 << 23
 
 #: How old the last listing of the packs may be when a build asks, after taking an item's lock
@@ -548,9 +548,10 @@ class Cache:
         ``token``. The packs are listed again if that lock was held by another job (which has
         most likely just published the item) or the last listing is older than ``RELIST_S``;
         otherwise the packs already known answer. A build asks this for each item it makes, and
-        listing hundreds of packs each time cost about 0.3 ms an item. A job that trails another
-        by less than ``RELIST_S`` may build an item the other has just published: both copies
-        hold identical bytes, and readers take the first pack's (see :meth:`_add_records`)."""
+        listing the packs each time would cost every item a read of the whole directory, so the
+        build's listings would grow with its items times its packs. A job that trails another by
+        less than ``RELIST_S`` may build an item the other has just published: both copies hold
+        identical bytes, and readers take the first pack's (see :meth:`_add_records`)."""
         stale = token in self._contended or time.monotonic() - self._listed_at > RELIST_S
         return self.has(key, refresh=stale)
 

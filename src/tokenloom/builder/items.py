@@ -154,15 +154,15 @@ COST_PER_ITEM_S = 2e-3
 COST_PER_STATELESS_DOCUMENT_S = 4e-9
 """Stateless mode: block prefix sums, per document."""
 COST_PER_STATELESS_ITEM_S = 0.25e-3
-"""Fixed cost of a stateless ``gpt`` item (its record and two small arrays; 1.54 CPU-s for 3000
-items of 1e8 documents on one rank, of which 0.8 s the per-document sums)."""
+"""Fixed cost of a stateless ``gpt`` item: its record and two small arrays, apart from the
+per-document sums that :data:`COST_PER_STATELESS_DOCUMENT_S` counts. Much below
+:data:`COST_PER_ITEM_S`, since a stateless item writes no per-sample arrays."""
 COST_PER_MANIFEST_ITEM_S = 80e-6
 """A writer rank's manifest and warm-start record, per item of the build: reading the item's
-record from the pack indexes, writing its entry, pickling the plan. The finalize of an exact build
-of 3003 items took 0.10 CPU-s on one rank (33 us an item) and 0.14-0.21 on rank 0 of 16 sharing 2
-cores (47-70 us). In this model's units, which run about 1.4x the measured CPU (26.4 s predicted for
-a one-rank build of 18.3-20.1 CPU-s), that is 46-98 us; at 50 us rank 0 was still the largest rank
-of 16 in every run, at 80 us it was not (BENCHMARKS.md, cluster scale)."""
+record from the pack indexes, writing its entry, pickling the plan. A writer also builds items,
+so this fixed load decides how many fewer it is given. The value errs high, toward what finalize
+costs a writer on a crowded host rather than one alone: an estimate at its usual cost still left
+the writer the slowest rank (BENCHMARKS.md, "Cluster scale")."""
 
 
 def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
@@ -533,7 +533,7 @@ def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[
     write when anything is built.
 
     The cuts fall on whole blocks, so two ranks' shares of a blend may differ by a block (2**20
-    positions by default: about 0.1 s, as much as twenty dataset items). So the single items are
+    positions by default, as much work as many small dataset items). So the single items are
     then assigned again, starting from each rank's manifest and blend ranges: a rank with an extra
     block takes fewer items. Of the two plans, the one whose slowest rank is estimated faster
     stands (the first on a tie)."""

@@ -92,10 +92,10 @@ def shuffle_workers(requested: int, draw_cost_s: float, cores_per_rank: int) -> 
     """Background shuffle processes for a rank: the ``requested`` ones where its dataset items'
     estimated work repays starting a process (:data:`MIN_BACKGROUND_WORK_S`) and the rank has a
     core to spare for them (its share of the host's cores is 2 or more); else none, and the rank
-    draws inline. Where every core already runs a rank, a worker only adds its start-up, its own
-    import of numba and the copies of its arrays through a pipe (measured on 2 cores, exact build
-    of 1000 stores: 2 ranks 10.2-10.4 CPU-s a rank with a worker each, 8.4-8.9 without; 4 ranks 6.4
-    and 4.6)."""
+    draws inline. Where every core already runs a rank, a worker has no core of its own to draw
+    on: it only takes turns with its rank and adds its start-up, its own import of numba and the
+    copies of its arrays through a pipe, so the rank's CPU goes up, not down (BENCHMARKS.md,
+    "Cluster scale")."""
     return requested if draw_cost_s > MIN_BACKGROUND_WORK_S and cores_per_rank >= 2 else 0
 
 ProgressCallback = Callable[[int, int], None]
@@ -197,8 +197,9 @@ class _Build:
 
         # finalize and open make thousands of lasting objects (manifest entries, the result's
         # per-item views): with the collector on, each of its full passes walks all that a rank
-        # holds (torch and numba included), which cost rank 0 about 0.1 CPU-s at 16 ranks. No
-        # kernel compiles here, so nothing makes cyclic garbage in bulk while it is paused.
+        # holds (torch and numba included), so the passes cost in proportion to the heap, not to
+        # what finalize makes. No kernel compiles here, so nothing makes cyclic garbage in bulk
+        # while it is paused.
         start = time.perf_counter()
         with collector_paused():
             build_key, failure = self._finalize(plan, infos, nodes, built)

@@ -3,8 +3,8 @@
 Every start of a training job calls ``tokenloom.build`` with the same config, and usually nothing
 has changed since the last one. The general path still fingerprints every store (the memo makes
 that a ``stat`` per file, :mod:`tokenloom.builder.stores`), makes every store's dataset items,
-gathers them on every rank and plans the blends: about a second on each of 16 ranks at 10,000
-stores, all of it repeating the work of the previous start.
+gathers them on every rank and plans the blends: work on every rank that grows with the stores
+(BENCHMARKS.md, "Warm start at 10,000 stores"), all of it repeating the work of the previous start.
 
 So after a build, the writer rank of each cache directory keeps its plan in a **warm-start
 record**, ``CACHE/starts/<start key>.pickle``. The start key hashes the whole config (every field,

@@ -57,9 +57,9 @@ def open_stateless_gpt_index(store: IndexedDataset, record: Mapping[str, Any], b
     """Rebuild the index of a stateless ``gpt`` item around its memory-mapped arrays.
 
     It serves with the compiled kernels wherever numba is installed, whatever the split's size:
-    a reader calls ``spans`` on every micro-batch for the whole run, about 10 ms a call with the
-    numpy kernels at 1e5 documents and some 20 us compiled, while loading them costs once per
-    process (well under a second from numba's disk cache).
+    a reader calls ``spans`` on every micro-batch for the whole run, and the numpy kernels take
+    orders of magnitude longer a call than the compiled ones, while loading those costs once per
+    process (from numba's disk cache, no compile).
     """
     return StatelessGPTIndex(
         plan=plan_from_dict(record["plan"]), seed=int(record["params"]["seed"]),

@@ -55,9 +55,10 @@ SAMPLE_PURPOSE = "best_fit.samples"
 
 DEFAULT_WINDOW = 100_000
 """Documents per window unless the config says otherwise (and at least one sample's capacity):
-on web-like lengths the padding of 1e5-document windows is within a few thousandths of a
-percentage point of packing each file whole, as OLMo-core does (BENCHMARKS.md, best-fit packing),
-while a window's working set stays in cache."""
+on web-like lengths a window this large already holds enough documents of every length for best
+fit to fill its samples about as well as packing each file whole, as OLMo-core does, so a larger
+one adds next to nothing (BENCHMARKS.md, "Best-fit packing"), while a window's working set stays
+in cache."""
 
 CHUNK_TARGET_DOCUMENTS = 1 << 22
 """Documents a chunk holds, rounded up to whole windows: small enough to spread a large store

@@ -1,7 +1,7 @@
 """The one place that knows numba: is it installed, which backend runs, and compiling on first use.
 
 numba comes with tokenloom (a dependency; the numpy/python backends serve platforms without it),
-and importing it takes 0.3 to 2 seconds, so nothing under ``tokenloom`` imports it at import time.
+and importing it is slow (it loads LLVM), so nothing under ``tokenloom`` imports it at import time.
 :func:`numba_available` asks the import system whether it is installed without importing it;
 :func:`compiled` imports it when a kernel first runs.
 
@@ -67,7 +67,7 @@ def numba_available() -> bool:
 
 
 def import_numba() -> types.ModuleType:
-    """The numba module, imported on the first call (it takes 0.3 to 2 seconds)."""
+    """The numba module, imported on the first call (a slow import: see the module's docstring)."""
     if not numba_available():
         raise ConfigError("a compiled kernel was asked for, but numba is not installed; expected numba, "
                           "which tokenloom depends on (pip install numba), or pick a numpy/python backend")

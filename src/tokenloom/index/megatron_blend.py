@@ -30,13 +30,14 @@ the pool and is used instead (the tests route every case through both).
 
 **Threads.** The greedy is sequential, but its state after ``s`` steps is nearly a closed form:
 every error ``s * w_d - c_d`` stays within about +-1/2, so the largest-remainder counts of
-``s * w`` miss the true counts on a handful of datasets at most (0 to 4 of 1000-10000 in the
-measurements). With ``threads=T`` the steps are cut into ``T`` chunks that all run at once, each
-from such a guessed state; then, chunk by chunk, megatron's own loop replays the chunk's start
-from the true state (the end of the chunk before) until the true counts equal the counts of the
-recorded run: from that step on both runs are the same run, so the recorded picks stand (the
-runs met within 1000 steps in the measurements). A chunk whose run never meets the true one is
-replayed or rerun from the true state, so the arrays are megatron's for any guess.
+``s * w`` miss the true counts on a handful of datasets at most (BENCHMARKS.md, "Blends"). With
+``threads=T`` the steps are cut into ``T`` chunks that all run at once, each from such a guessed
+state; then, chunk by chunk, megatron's own loop replays the chunk's start from the true state
+(the end of the chunk before) until the true counts equal the counts of the recorded run: from
+that step on both runs are the same run, so the recorded picks stand (the few counts that differ
+are evened out by the greedy itself, which picks the dataset furthest behind, so the runs meet
+soon after the chunk's start). A chunk whose run never meets the true one is replayed or rerun
+from the true state, so the arrays are megatron's for any guess.
 
 The exhaustive variant (``build_exhaustive_blending_indices``: weights ``size_d / total``, a
 dataset dropped once it has given ``size_d`` samples) runs through the same kernel.
@@ -504,7 +505,7 @@ def _groups(weights: np.ndarray, limits: np.ndarray):
 #: Steps per chunk below which a threaded blend does not split (a thread costs more).
 _MIN_CHUNK = 1 << 18
 #: Steps a repair replays with megatron's loop before handing the rest of a chunk back to the
-#: fast kernel (measured: chunks met the true run within 1,000 steps at 100-10,000 datasets),
+#: fast kernel (far more than a guess that is off by a few counts needs to meet the true run),
 #: and the dataset-steps it may spend (a replay step scans every dataset): at most 2**26, so a
 #: guess that never meets (weights far from summing to one) wastes little at 32766 datasets.
 _RESYNC_STEPS = 1 << 16

@@ -1,4 +1,4 @@
-"""``numpy.random.RandomState.shuffle``, same draws and same result, several times faster.
+"""``numpy.random.RandomState.shuffle``, same draws and same result, faster on large arrays.
 
 RandomState's shuffle is a Fisher-Yates pass that interleaves each Mersenne Twister draw (with
 rejection sampling, so unpredictable branches) with a swap at a random address (a cache miss).
@@ -24,11 +24,10 @@ DRAW_BLOCK = 1 << 16
 """Fisher-Yates steps whose draws are made before their swaps (a 512 KiB buffer)."""
 SMALL_SHUFFLE = 1 << 14
 """Elements below which :func:`shuffle_like_randomstate` keeps RandomState's own shuffle by
-default: faster there (the kernel pays about 0.07 ms to read and write the generator's state;
-int32, RandomState against the kernel: 0.058 against 0.095 ms for 4096, 0.11 against 0.11 ms
-for 8192, 0.22 against 0.14 ms for 16384, 1.5 against 0.51 ms for 1e5, 14.7 against 5.9 ms for
-1e6, 483 against 115 ms for 1e7), and a small build needs no numba start-up (about 1 s in a new
-process)."""
+default: faster there. The kernel pays a fixed cost on every call to read and write the
+generator's state, which RandomState's own shuffle does not, while a small array stays in cache,
+so its swaps miss little and overlapping them gains little; the kernel's gain grows with the
+array. A small build also needs no numba start-up (its import, in a new process)."""
 
 
 _SAME_SIZE_INT = {4: np.dtype(np.int32), 8: np.dtype(np.int64)}

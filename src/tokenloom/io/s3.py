@@ -75,9 +75,9 @@ class S3Settings:
 
     block_bytes: int = 64 << 10
     """``TOKENLOOM_S3_BLOCK_KIB`` (default 64): the unit of .bin reads and of the block cache. Shuffled
-    samples share no blocks, so every byte of a block beyond the sample is waste: serving seq-2048
-    samples of 1500-token documents, a 64 KiB block fetched 78 bytes per 2-byte token served and a
-    1 MiB one 1035, for about the same number of GETs (BENCHMARKS.md, "Object storage").
+    samples share no blocks, so every byte of a block beyond the sample is waste: a larger block
+    saves no GETs (a sample's documents span about as many blocks either way) while the bytes
+    fetched per token served grow with it (BENCHMARKS.md, "Object storage").
     Consecutive missing blocks are fetched in one GET of up to :data:`MAX_GET_BYTES`, so
     sequential reads still make large requests."""
     cache_bytes: int = 256 << 20

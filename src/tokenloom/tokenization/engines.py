@@ -27,7 +27,8 @@ ENGINES = ("auto", "gigatoken", "hf")
 
 GUARD_CHARACTERS = 256 * 1024
 """Characters of text each process encodes with both engines before it trusts gigatoken alone
-(about a tenth of a second of ``tokenizers`` time)."""
+(a fixed cost, paid once per process at ``tokenizers``' speed, that stays small beside the
+process's share of a corpus)."""
 
 
 class GigatokenEncoder:
