@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 
 import pytest
 
@@ -16,7 +17,8 @@ GOOD = b'{"text": "fine"}\n'
 
 # (file name, bytes after two good lines, reason, words the message must contain)
 BAD_JSONL_LINES = [
-    ("malformed.jsonl", b'{"text": "unterminated}\n', "malformed_json", "malformed JSON"),
+    ("malformed.jsonl", b'{"text": "unterminated}\n', "malformed_json",
+     "malformed JSON: Unterminated string starting at column 10"),
     ("missing.jsonl", b'{"body": "x"}\n', "missing_key", "no key 'text'"),
     ("number.jsonl", b'{"text": 42}\n', "not_a_string", "is a number, expected a string"),
     ("null.jsonl", b'{"text": null}\n', "not_a_string", "is null, expected a string"),
@@ -41,6 +43,7 @@ def test_bad_jsonl_record_names_file_and_line(tmp_path, name, bad_line, reason, 
         tokenize_to_store([str(path)], prefix, TokenizeConfig(workers=0))
     assert str(info.value).startswith(f"{path}:4: ")
     assert words in str(info.value)
+    assert not re.search(r"\b(\w+) \1\b", str(info.value)), str(info.value)  # no "at at"
     assert _no_store(prefix)
 
     summary = tokenize_to_store([str(path)], prefix, TokenizeConfig(workers=0, skip_bad=True))
