@@ -108,3 +108,16 @@ def test_a_closed_pipe_ends_a_command_quietly(project):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 0, stderr
     assert first.startswith(b"position 0") and stderr == ""
+
+
+def test_megatron_cores_names_use_the_stores_as_the_config_spelt_them(project, monkeypatch):
+    """megatron-core hashes the path its own job was given: a config's relative spelling, not the
+    path tokenloom resolved it to, so its cache files keep their names."""
+    result = tokenloom.build("project/build.yaml")
+    paths = {item.megatron.identifiers["dataset_path"] for item in result.plan.items
+             if item.kind == "gpt" and item.megatron is not None}
+    assert paths == {"stores/store0", "stores/store1"}
+    monkeypatch.chdir(project)
+    python = tokenloom.build({**_config(), "cache": str(project / "cache-python")})
+    names = sorted(item.megatron.file_name("x") for item in python.plan.items if item.megatron is not None)
+    assert names == sorted(item.megatron.file_name("x") for item in result.plan.items if item.megatron is not None)

@@ -131,20 +131,20 @@ def test_a_broken_gather_names_a_timeout_only_when_it_timed_out():
     with pytest.raises(BuildError) as info:
         gather(_BrokenGroup(timed_out), None, phase="build")
     message = str(info.value)
-    assert "rank 1: the other ranks did not answer in the build phase within 60 s" in message
+    assert message.startswith("The other ranks did not answer in the build phase within 60 s") and "[rank 1]" in message
     assert "Timed out waiting 60000ms" in message and "killed or hung" in message
 
     closed = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11957. This is typically..."
     with pytest.raises(BuildError) as info:
         gather(_BrokenGroup(closed), None, phase="finalize")
     message = str(info.value)
-    assert "rank 1: the build's group broke in the finalize phase (a peer's connection closed)" in message
+    assert message.startswith("The build's group broke in the finalize phase (a peer's connection closed)")
     assert "within 60 s" not in message and "Connection closed by peer" in message and "killed or hung" in message
 
     with pytest.raises(BuildError) as info:
         gather(_BrokenGroup("unexpected failure"), None, phase="plan")
     message = str(info.value)
-    assert "rank 1: the build's gather failed in the plan phase (RuntimeError: unexpected failure)" in message
+    assert message.startswith("The build's gather failed in the plan phase (RuntimeError: unexpected failure)")
 
 
 RELEASE_SCRIPT = r"""
@@ -193,7 +193,7 @@ def test_a_rank_that_gives_up_releases_the_ranks_blocked_on_it_at_once():
             proc.kill()
             proc.communicate(timeout=60)
     assert all(o is not None and o["error"] for o in outcomes), outcomes
-    assert "the build's gather failed in the test phase" in outcomes[1]["error"]
+    assert "The build's gather failed in the test phase" in outcomes[1]["error"]
     for rank in (0, 2):
         assert "killed or hung" in outcomes[rank]["error"], outcomes
         assert outcomes[rank]["seconds"] < 12, outcomes  # rank 1 gave up 2 s in; 20+ s: they waited for its exit

@@ -382,8 +382,8 @@ def gather(group, obj: Any, *, phase: str) -> list[Any]:
         else:
             what = f"the build's gather failed in the {phase} phase"
         raise BuildError(
-            f"rank {group.rank}: {what} ({type(exc).__name__}: {detail}); "
-            "a rank was killed or hung. Rerun the build: finished items are reused from the cache"
+            f"{what[0].upper()}{what[1:]} ({type(exc).__name__}: {detail}); a rank was killed or hung. Rerun the "
+            f"build: finished items are reused from the cache [rank {group.rank}]"
         ) from exc
 
 

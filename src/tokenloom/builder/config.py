@@ -326,12 +326,17 @@ class BuildConfig:
         return replace(blend, prefixes=resolved, written_prefixes=blend.spelt())
 
     def spelling(self, prefix: str) -> str:
-        """How the config spelt the store it resolved to ``prefix`` (``prefix`` when unchanged)."""
-        for index in range(len(SPLIT_NAMES)):
-            blend = self.blend_for_split(index)
-            if blend is not None and blend.written_prefixes is not None and blend.has_prefix(prefix):
-                return blend.written_prefixes[blend.prefixes.index(prefix)]
-        return prefix
+        """How the config spelt the store it resolved to ``prefix`` (``prefix`` when unchanged);
+        megatron-core's file names are made from it, as its own job spells the path."""
+        spellings = self.__dict__.get("_spellings")
+        if spellings is None:  # one map for all blends, made on first use (O(1) a store after)
+            spellings = {}
+            for index in range(len(SPLIT_NAMES)):
+                blend = self.blend_for_split(index)
+                if blend is not None and blend.written_prefixes is not None:
+                    spellings.update(zip(blend.prefixes, blend.written_prefixes))
+            object.__setattr__(self, "_spellings", spellings)
+        return spellings.get(prefix, prefix)
 
     def describe_store(self, prefix: str) -> str:
         """``store 'PREFIX'``, with how a relative spelling was resolved (for messages)."""

@@ -239,7 +239,7 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         output_bytes = 4 * positions + 2 * sample_row_bytes * (samples + 1) + shuffle_bytes * samples
         cost = _gpt_cost(positions, samples, output_bytes)
         identifiers = gpt_identifiers(
-            dataset_path=info.prefix, num_samples=num_samples, split=split, random_seed=config.seed,
+            dataset_path=config.spelling(info.prefix), num_samples=num_samples, split=split, random_seed=config.seed,
             sequence_length=config.seq_length, split_string=config.split,
             tokenizer=config.megatron_tokenizer)
         megatron = gpt_name(identifiers)
