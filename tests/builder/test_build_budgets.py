@@ -11,7 +11,7 @@ import pytest
 import tokenloom
 from build_fixtures import cache_files, make_stores
 from tokenloom.builder.config import as_build_config
-from tokenloom.errors import ConfigError
+from tokenloom.errors import ConfigError, FormatError
 from tokenloom.index.split import split_document_ranges
 from tokenloom.io import IndexedDataset
 from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, summarize_audit
@@ -74,7 +74,12 @@ def test_megatron_core_blends_budget_counts_exactly(stores, tmp_path):
 
 def test_epoch_budgets_count_megatron_core_epochs_of_the_train_documents(stores, tmp_path):
     epochs = [1.0, 0.25, 2.5]
-    built = as_build_config(_config(stores, tmp_path / "cache", epochs=epochs))
+    config = as_build_config(_config(stores, tmp_path / "cache", epochs=epochs))
+    # constructing the config reads no store: the counts wait for the build's resolve step
+    assert not config.resolved and config.blend.weights is None and config.train_samples is None
+    assert config.blend.budget_epochs == tuple(epochs)
+    built = config.resolve()
+    assert built.resolved and built.resolve() is built
     expected = []
     for prefix, e in zip(stores, epochs):
         store = IndexedDataset(prefix)
@@ -97,6 +102,15 @@ def test_budgets_that_cannot_be_met_are_refused_by_name(stores, tmp_path):
         as_build_config(_config(stores, tmp_path, tokens=[SEQ * 10, -4, SEQ * 10]))
     with pytest.raises(ConfigError, match="expected one number per prefix"):
         as_build_config(_config(stores, tmp_path, epochs=[1.0]))
+    # an epoch budget that cannot be met is refused by the resolve step (it reads the stores)
+    tiny = as_build_config(_config(stores, tmp_path, epochs=[1.0, 1e-9, 1.0]))
+    with pytest.raises(ConfigError, match=f"epochs budget 1e-09 of {stores[1]} is less than one sample"):
+        tiny.resolve()
+    with pytest.raises(ConfigError, match=r"train_samples=5 but the epochs budgets of blend add up to"):
+        as_build_config({**_config(stores, tmp_path, epochs=[1.0] * 3), "train_samples": 5}).resolve()
+    missing = as_build_config(_config([*stores[:2], str(tmp_path / "absent")], tmp_path, epochs=[1.0] * 3))
+    with pytest.raises(FormatError, match="no token store at"):
+        missing.resolve()
     per_split = {"blend_per_split": {"train": {"prefixes": stores[:1], "tokens": [SEQ * 10]},
                                      "valid": {"prefixes": stores[1:2], "tokens": [SEQ * 10]}},
                  "seq_length": SEQ, "valid_samples": 5, "cache_dir": str(tmp_path)}

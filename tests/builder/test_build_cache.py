@@ -356,13 +356,8 @@ def test_blend_blocks_are_evened_out_by_the_items(costs, world, blend_samples, b
     first assignment's, and within one item of the level the whole work allows."""
     from types import SimpleNamespace
 
-    from tokenloom.builder.items import (
-        COST_PER_BLEND_SAMPLE_S,
-        BuildPlan,
-        WorkItem,
-        assign_work,
-        divide_blends,
-    )
+    from tokenloom.builder.cost_model import COST_PER_BLEND_SAMPLE_S
+    from tokenloom.builder.items import BuildPlan, WorkItem, assign_work, divide_blends
 
     costs = costs + ([big] if big > 0 else [])  # at times one item worth many blocks
     items = [WorkItem(kind="gpt", key=f"{i:04d}", split="train", label=str(i), params={}, num_samples=1,
@@ -396,7 +391,8 @@ def test_blend_blocks_do_not_leave_ranks_a_block_apart():
     a block more than others (about 0.16 s); assigning the items again evens that out."""
     from types import SimpleNamespace
 
-    from tokenloom.builder.items import COST_PER_BLEND_SAMPLE_S, WorkItem, assign_work
+    from tokenloom.builder.cost_model import COST_PER_BLEND_SAMPLE_S
+    from tokenloom.builder.items import WorkItem, assign_work
 
     rng = np.random.default_rng(0)
     items = [WorkItem(kind="gpt", key=f"{i:04d}", split="train", label=str(i), params={}, num_samples=1,

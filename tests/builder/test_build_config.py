@@ -46,7 +46,7 @@ def test_json_and_per_split_blends(tmp_path):
 
 
 def test_geometry_file_gives_samples_and_seq_length(tmp_path):
-    from tokenloom.planning.geometry import DataGeometry
+    from tokenloom.planning.data_geometry import DataGeometry
 
     DataGeometry(seq_length=512, global_batch_size=16, micro_batch_size=2, data_parallel_size=8,
                  gradient_accumulation_steps=1, train_iters=50, eval_interval=25,

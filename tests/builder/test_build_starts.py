@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import tokenloom.builder as tb
-import tokenloom.builder.runner as runner_module
+import tokenloom.builder.phases.fingerprint as fingerprint_module
+import tokenloom.builder.phases.plan as plan_module
 import tokenloom.builder.stores as stores_module
 from build_fixtures import blend_config, cache_files, launch, make_stores, write_store
 from tokenloom.builder.config import as_build_config
@@ -37,7 +38,7 @@ class _Planning:
     def __init__(self, monkeypatch) -> None:
         self.fingerprinted: list[str] = []
         self.plans = 0
-        real_fingerprint, real_plan = runner_module.fingerprint_store, runner_module.resolve_items
+        real_fingerprint, real_plan = fingerprint_module.fingerprint_store, plan_module.resolve_items
 
         def fingerprint(prefix, *args, **kwargs):
             self.fingerprinted.append(prefix)
@@ -47,8 +48,8 @@ class _Planning:
             self.plans += 1
             return real_plan(*args, **kwargs)
 
-        monkeypatch.setattr(runner_module, "fingerprint_store", fingerprint)
-        monkeypatch.setattr(runner_module, "resolve_items", plan)
+        monkeypatch.setattr(fingerprint_module, "fingerprint_store", fingerprint)
+        monkeypatch.setattr(plan_module, "resolve_items", plan)
 
 
 def _served(result) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenloom.builder as tb
-import tokenloom.builder.runner as runner_module
+import tokenloom.builder.phases.fingerprint as fingerprint_module
 import tokenloom.builder.stores as stores_module
 from build_fixtures import blend_config, make_stores, write_store
 from tokenloom.builder.config import as_build_config
@@ -32,7 +32,7 @@ def stores(tmp_path):
 def general_path(monkeypatch):
     """Every start here takes the general path: these tests are about the fingerprint memo, which
     a warm-start record would skip (test_build_starts.py tests the records)."""
-    monkeypatch.setattr(runner_module, "start_key", lambda config: None)
+    monkeypatch.setattr(fingerprint_module, "start_key", lambda config: None)
 
 
 class _Opens:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from index_fixtures import ArrayReader, numbered_documents
 from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.epochs import plan_epochs
 from tokenloom.index.kernels import numba_available
 from tokenloom.index.megatron_gpt import (
     SAMPLE_INDEX_KERNELS,
@@ -25,7 +26,6 @@ from tokenloom.index.megatron_gpt import (
     sample_index_dtype,
     shuffle_index_dtype,
 )
-from tokenloom.index.packing import plan_epochs
 from tokenloom.index.split import document_ids, split_document_ranges
 from tokenloom.io import IndexedDataset as TokenloomStore
 

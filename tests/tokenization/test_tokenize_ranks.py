@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+from tokenloom.tokenization.inputs import discover_inputs
 from tokenloom.tokenization.pipeline import plan_pieces
-from tokenloom.tokenization.sources import discover_inputs
 
 pytest.importorskip("torch")
 

@@ -9,7 +9,7 @@ Importing this package never imports torch; torch.distributed is used only when 
 or a distributed job (torchrun) is running.
 """
 
-from tokenloom.builder.cache import VerifyReport, verify_cache
+from tokenloom.builder.cache_verify import VerifyReport, verify_cache
 from tokenloom.builder.config import BuildConfig, load_build_config
 from tokenloom.builder.items import BuildPlan, WorkItem, format_plan
 from tokenloom.builder.result import BuildResult

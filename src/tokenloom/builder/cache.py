@@ -24,213 +24,71 @@ Two builders of one item (two jobs sharing a cache) lock it first, so one builds
 waits and then finds it in the first one's pack (:meth:`Cache.built_elsewhere`). Where locks do
 not work (some network filesystems), or where one job trails the other by less than ``RELIST_S``,
 both may build it: both packs hold identical arrays, and readers take either.
+
+Where each concern lives: this module holds :class:`Cache` (the directory, the listing of the packs
+and the records they index, opening arrays, manifests); :mod:`tokenloom.builder.packs` the pack
+format (.npy headers, hashed writes, array digests, writing a pack and its index, reading them back,
+:class:`PackWriter`); :mod:`tokenloom.builder.cache_locks` the item locks (``locks/items.lock``);
+:mod:`tokenloom.builder.cache_verify` :func:`verify_cache`. Every name imported from this module
+before the split still is.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
-import io
-import json
-import logging
 import os
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tokenloom.builder.cache_locks import LOCKS_DIR, ItemLocks
+from tokenloom.builder.packs import ALIGNMENT as ALIGNMENT  # re-exported: importable from here as before
+from tokenloom.builder.packs import (
+    CACHE_FORMAT_VERSION,
+    KEYS_SUFFIX,
+    PACKS_DIR,
+    TMP_DIR,
+    PackWriter,
+    PendingItem,
+    array_digest,
+    not_indexed_error,
+    npy_header,
+    read_pack_index,
+    read_pack_keys,
+    root_digest,
+    sha256_range,
+    write_npy,
+    write_pack,
+    write_pack_index,
+)
 from tokenloom.errors import BuildError, FormatError
-from tokenloom.io.space import full_disk_error, is_full
-from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_arrays_atomic, write_json_atomic
+from tokenloom.io.writer import write_json_arrays_atomic
 
-#: Version of the cache layout and key material; bump it when either changes.
-CACHE_FORMAT_VERSION = 1
+if TYPE_CHECKING:  # pragma: no cover
+    from tokenloom.builder.cache_verify import VerifyReport, verify_cache
 
-PACKS_DIR = "packs"
 BUILDS_DIR = "builds"
-LOCKS_DIR = "locks"
-LOCK_FILE = "items.lock"
-TMP_DIR = "tmp"
-KEYS_SUFFIX = ".keys"
-ALIGNMENT = 64
-_HASH_CHUNK = 1 << 24
-
-#: Bytes of arrays a pack collects before it is published (a pack is also published at the end).
-#: A rank holds what it has not published (up to this, plus one pack being written), so this bounds
-#: its memory: 8 MiB keeps it to 16 MiB of finished arrays. Smaller packs would hold less but make
-#: more of them, and every listing of the packs reads the whole directory (:meth:`Cache.refresh`).
-PACK_BYTES = 1 << 23
 
 #: How old the last listing of the packs may be when a build asks, after taking an item's lock
 #: uncontended, whether another job published the item (:meth:`Cache.built_elsewhere`).
 RELIST_S = 0.1
 
-log = logging.getLogger(__name__)
 
+def __getattr__(name: str) -> Any:
+    """``VerifyReport`` and ``verify_cache``, from :mod:`tokenloom.builder.cache_verify` (which
+    imports this module, so they are looked up when first asked for, not imported above)."""
+    if name in ("VerifyReport", "verify_cache"):
+        from tokenloom.builder import cache_verify
 
-def npy_header(array: np.ndarray) -> bytes:
-    """The .npy header ``numpy.save`` writes before ``array``'s bytes (format 1.0)."""
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(array))
-    return buffer.getvalue()
-
-
-def _write_hashed(f, digest, data) -> None:
-    view = memoryview(data).cast("B")
-    for begin in range(0, len(view), _HASH_CHUNK):
-        chunk = view[begin:begin + _HASH_CHUNK]
-        digest.update(chunk)
-        f.write(chunk)
-
-
-def write_npy(path: str, array: np.ndarray) -> dict[str, Any]:
-    """Write ``array`` as a .npy file (exactly what ``numpy.save`` writes), fsync it, and return
-    ``{"bytes", "sha256"}``."""
-    array = np.ascontiguousarray(array)
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        _write_hashed(f, digest, npy_header(array))
-        if array.size:
-            _write_hashed(f, digest, array.reshape(-1).view(np.uint8))
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    return {"bytes": size, "sha256": digest.hexdigest()}
-
-
-def sha256_range(path: str, offset: int, size: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        remaining = size
-        while remaining:
-            chunk = f.read(min(_HASH_CHUNK, remaining))
-            if not chunk:
-                break
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
-
-
-def root_digest(header_sha256: str, blocks: list[str]) -> str:
-    """The SHA-256 of an array written in blocks (a divided blend): SHA-256 over the header's
-    digest and every block's digest, in order (FORMAT.md, "Divided blends")."""
-    digest = hashlib.sha256(bytes.fromhex(header_sha256))
-    for block in blocks:
-        digest.update(bytes.fromhex(block))
-    return digest.hexdigest()
-
-
-def array_digest(path: str, meta: Mapping[str, Any]) -> tuple[str, int | None]:
-    """An array's digest as its file entry defines it (one SHA-256 of the .npy image, or
-    ``"hash": "sha256-blocks"``: the root over the header and each block of ``block_bytes``),
-    and the first block whose digest differs from the recorded one (None if none or no blocks)."""
-    if meta.get("hash") != "sha256-blocks":
-        return sha256_range(path, meta["offset"], meta["bytes"]), None
-    header = sha256_range(path, meta["offset"], meta["data_offset"] - meta["offset"])
-    blocks, bad = [], None
-    end = meta["offset"] + meta["bytes"]
-    for k, begin in enumerate(range(meta["data_offset"], end, meta["block_bytes"])):
-        blocks.append(sha256_range(path, begin, min(meta["block_bytes"], end - begin)))
-        if bad is None and (k >= len(meta["blocks"]) or blocks[-1] != meta["blocks"][k]):
-            bad = k
-    return root_digest(header, blocks), bad
+        return getattr(cache_verify, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def host_record() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-
-
-# ------------------------------------------------------------------------------------ writing
-
-
-def write_pack_index(root: str, name: str, records: Mapping[str, dict]) -> None:
-    """Publish pack ``name``'s index: its key list (``<name>.keys``), then the index itself
-    (``<name>.json``; the pack exists from that rename on). Both atomic."""
-    directory = os.path.join(root, PACKS_DIR)
-    write_bytes_atomic(os.path.join(directory, f"{name}{KEYS_SUFFIX}"),
-                       "".join(f"{key}\n" for key in records).encode("ascii"))
-    write_json_atomic(os.path.join(directory, f"{name}.json"),
-                      {"format": "tokenloom-pack", "version": CACHE_FORMAT_VERSION, "pack": name,
-                       "items": dict(records)}, compact=True)
-
-
-
-@dataclass
-class _PendingItem:
-    key: str
-    arrays: dict[str, np.ndarray]
-    record: dict[str, Any]
-    on_published: Callable[[dict], None] | None
-
-
-class PackWriter:
-    """Collects finished items and publishes them in packs on a background thread.
-
-    ``add`` returns at once; writing, hashing and fsync run on the publishing thread (they
-    release the GIL) while the caller computes the next item. ``flush`` publishes what is
-    collected; ``close`` publishes the rest and waits, re-raising the first failure.
-    """
-
-    def __init__(self, cache: Cache, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 1) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.cache = cache
-        self.pack_bytes = pack_bytes
-        self._items: list[_PendingItem] = []
-        self._bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-pack")
-        self._slots = threading.BoundedSemaphore(max_pending_packs)
-        self._futures: list = []
-        self._lock = threading.Lock()
-
-    def add(self, key: str, arrays: Mapping[str, np.ndarray], record: Mapping[str, Any],
-            on_published: Callable[[dict], None] | None = None) -> None:
-        """Queue item ``key``; ``on_published(full_record)`` runs once its pack is published."""
-        arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
-        with self._lock:
-            self._items.append(_PendingItem(key, arrays, dict(record), on_published))
-            self._bytes += sum(a.nbytes for a in arrays.values())
-            full = self._bytes >= self.pack_bytes
-        if full:
-            self.flush()
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._items:
-                return
-            items, self._items, self._bytes = self._items, [], 0
-        self._slots.acquire()
-
-        def run():
-            try:
-                return self.cache.publish_pack(items)
-            finally:
-                self._slots.release()
-
-        self._futures.append(self._pool.submit(run))
-
-    def close(self) -> None:
-        """Publish everything queued and wait; re-raise the first failure."""
-        try:
-            self.flush()
-        finally:
-            first = None
-            for future in self._futures:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    first = first or exc
-            self._futures = []
-            self._pool.shutdown(wait=True)
-            if first is not None:
-                raise first
 
 
 # ------------------------------------------------------------------------------------ the cache
@@ -244,7 +102,6 @@ class Cache:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(str(root))
-        self._lock_fd: int | None = None
         self._ensured = False
         self._index: dict[str, tuple[str, dict]] = {}  # key -> (pack .bin path, record)
         # key -> {pack .bin path: record}: every copy. Two jobs may both build an item (see
@@ -258,7 +115,7 @@ class Cache:
         self._maps: dict[str, np.memmap] = {}
         self._index_lock = threading.Lock()
         self._listed_at = float("-inf")  # time.monotonic() when the last listing of packs/ began
-        self._contended: set[int] = set()  # lock tokens this process waited for (or could not take)
+        self._locks = ItemLocks(self.root, self.ensure)  # the item locks (cache_locks.py)
 
     def __reduce__(self):  # a copy in another process reads the indexes and maps the packs anew
         return (Cache, (self.root,))
@@ -290,36 +147,16 @@ class Cache:
                     continue
                 keys_name = name[: -len(".json")] + KEYS_SUFFIX
                 if keys_name in present:
-                    path = os.path.join(directory, keys_name)
-                    try:
-                        with open(path, "rb") as f:
-                            keys = f.read().decode("ascii").split()
-                    except (OSError, UnicodeDecodeError) as exc:
-                        raise FormatError(f"{path}: unreadable pack key list: {exc}") from None
-                    for key in keys:
+                    for key in read_pack_keys(os.path.join(directory, keys_name)):
                         self._unparsed.setdefault(key, []).append(name)
                 else:  # written before key lists existed
                     self._parse_pack(name)
                 self._seen_packs.add(name)
             self._listed_at = max(self._listed_at, listed_at)
 
-    def _read_pack_index(self, name: str) -> dict[str, dict]:
-        """The records of pack index ``name``, read from disk (FormatError if unreadable)."""
-        path = os.path.join(self.root, PACKS_DIR, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f).get("items", {})
-        except (OSError, ValueError, AttributeError) as exc:
-            raise FormatError(f"{path}: unreadable pack index: {exc}") from None
-
-    def _not_indexed(self, name: str, key: str) -> FormatError:
-        return FormatError(f"{os.path.join(self.root, PACKS_DIR, name)}: item {key} is in the pack's key list "
-                           f"({name[: -len('.json')]}{KEYS_SUFFIX}) but not in its index; the pack index is "
-                           "damaged (tokenloom cache verify)")
-
     def _parse_pack(self, name: str) -> None:
         """Read the records of pack index ``name`` (the caller holds the index lock)."""
-        self._add_records(name, self._read_pack_index(name))
+        self._add_records(name, read_pack_index(os.path.join(self.root, PACKS_DIR, name)))
 
     def _add_records(self, name: str, records: Mapping[str, dict]) -> None:
         """Index the records of pack index ``name``. Of several copies of an item (two jobs built
@@ -343,7 +180,7 @@ class Cache:
             for name in names:
                 bin_path = os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")
                 if bin_path not in self._copies.get(key, {}):
-                    raise self._not_indexed(name, key)
+                    raise not_indexed_error(os.path.join(self.root, PACKS_DIR, name), key)
 
     def has(self, key: str, *, refresh: bool = True) -> bool:
         """Whether item ``key`` is in a published pack."""
@@ -383,10 +220,10 @@ class Cache:
             parsed = {name: {k: self._copies[k][os.path.join(self.root, PACKS_DIR, name[: -len(".json")] + ".bin")]
                              for k in wanted} for name, wanted in chosen.items() if name in self._parsed}
         for name, wanted in sorted(chosen.items()):
-            records = parsed[name] if name in parsed else self._read_pack_index(name)
+            records = parsed[name] if name in parsed else read_pack_index(os.path.join(self.root, PACKS_DIR, name))
             for key in wanted:
                 if key not in records:
-                    raise self._not_indexed(name, key)
+                    raise not_indexed_error(os.path.join(self.root, PACKS_DIR, name), key)
                 yield key, records[key]
 
     def copies(self, key: str) -> dict[str, dict[str, Any]]:
@@ -455,93 +292,24 @@ class Cache:
             return f.read(entry["bytes"])
 
     # -- writing --------------------------------------------------------------------------------
-    def publish_pack(self, items: list[_PendingItem]) -> str:
-        """Write ``items`` as one pack (data, fsync, rename; then the index the same way)."""
+    def publish_pack(self, items: list[PendingItem]) -> str:
+        """Write ``items`` as one pack (data, fsync, rename; then the index the same way:
+        :func:`~tokenloom.builder.packs.write_pack`) and learn its records."""
         self.ensure()
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp = os.path.join(self.root, TMP_DIR, f"{name}.bin")
-        final = os.path.join(self.root, PACKS_DIR, f"{name}.bin")
-        records: dict[str, dict] = {}
-        try:
-            with open(tmp, "wb") as f:
-                for item in items:
-                    files = {}
-                    for array_name, array in item.arrays.items():
-                        pad = -f.tell() % ALIGNMENT
-                        if pad:
-                            f.write(b"\0" * pad)
-                        offset = f.tell()
-                        digest = hashlib.sha256()
-                        header = npy_header(array)
-                        _write_hashed(f, digest, header)
-                        if array.size:
-                            _write_hashed(f, digest, array.reshape(-1).view(np.uint8))
-                        files[f"{array_name}.npy"] = {
-                            "offset": offset, "data_offset": offset + len(header),
-                            "bytes": f.tell() - offset, "sha256": digest.hexdigest(),
-                            "dtype": array.dtype.str, "shape": list(array.shape),
-                        }
-                    record = dict(item.record)
-                    record.update(key=item.key, format=CACHE_FORMAT_VERSION, files=files, pack=name)
-                    records[item.key] = record
-                    item.arrays = {}
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, final)
-            fsync_dir(os.path.dirname(final))
-            write_pack_index(self.root, name, records)
-        except BaseException as exc:
-            # a pack without its index is never read; a full disk takes its space back too
-            keys = os.path.join(self.root, PACKS_DIR, f"{name}{KEYS_SUFFIX}")
-            for path in (tmp, final, keys) if is_full(exc) else (tmp,):
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
-            if is_full(exc):
-                raise full_disk_error(exc, self.root, f"a pack of {len(items)} built item(s)",
-                                      needed=self.expected_bytes) from None
-            raise
+        name, records = write_pack(self.root, items, needed=self.expected_bytes)
         with self._index_lock:
             self._add_records(f"{name}.json", records)
             self._seen_packs.add(f"{name}.json")
         for item in items:
             if item.on_published is not None:
                 item.on_published(records[item.key])
-        return final
+        return os.path.join(self.root, PACKS_DIR, f"{name}.bin")
 
     # -- locks ----------------------------------------------------------------------------------
     def acquire(self, key: str) -> int:
         """Take item ``key``'s lock (blocking while another builder holds it); returns the token
-        to pass to :meth:`release`.
-
-        One lock file serves every item: each key locks one byte of it (POSIX record locks), so
-        locking costs no file creation. Record locks are per process; within a process each item
-        is built once, so only other processes (other jobs) ever wait.
-        """
-        if self._lock_fd is None:
-            self.ensure()
-            self._lock_fd = os.open(os.path.join(self.root, LOCKS_DIR, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        offset = int(key[:15], 16)  # 60 bits of the key: one byte of a sparse, never written file
-        try:
-            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
-            self._contended.discard(offset)
-            return offset
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):  # not "held by another process"
-                self._contended.add(offset)
-                log.debug("%s: building item %s without its lock (%s)", self.root, key, exc)
-                return offset
-        self._contended.add(offset)  # another job holds it: most likely building the item now
-        try:
-            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, 1, offset)
-        except OSError:
-            # No locking on this filesystem, or EDEADLK: record locks belong to processes, so two
-            # jobs whose threads wait on each other's held items form a cycle the kernel refuses.
-            # Building without the lock is safe: both jobs write identical bytes, and the index
-            # keeps the first pack published.
-            log.debug("%s: building item %s without its lock", self.root, key)
-        return offset
+        to pass to :meth:`release`. How: :meth:`tokenloom.builder.cache_locks.ItemLocks.acquire`."""
+        return self._locks.acquire(key)
 
     def built_elsewhere(self, key: str, token: int) -> bool:
         """Whether another job published item ``key``; ask right after :meth:`acquire` gave
@@ -552,21 +320,15 @@ class Cache:
         build's listings would grow with its items times its packs. A job that trails another by
         less than ``RELIST_S`` may build an item the other has just published: both copies hold
         identical bytes, and readers take the first pack's (see :meth:`_add_records`)."""
-        stale = token in self._contended or time.monotonic() - self._listed_at > RELIST_S
+        stale = token in self._locks.contended or time.monotonic() - self._listed_at > RELIST_S
         return self.has(key, refresh=stale)
 
     def release(self, token: int) -> None:
-        self._contended.discard(token)
-        try:
-            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, token)
-        except OSError:
-            pass
+        self._locks.release(token)
 
     def close_locks(self) -> None:
         """Release every lock this process holds on the cache."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._locks.close()
 
     # -- manifests ------------------------------------------------------------------------------
     def manifest_path(self, build_key: str) -> str:
@@ -585,89 +347,6 @@ class Cache:
         if not os.path.isdir(directory):
             return []
         return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".json"))
-
-
-# ------------------------------------------------------------------------------------ verify
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyReport:
-    """What ``verify_cache`` found."""
-
-    root: str
-    """The cache directory."""
-    manifests: int
-    """Manifests read."""
-    items: int
-    """Items checked."""
-    files: int
-    """Arrays hashed."""
-    problems: tuple[str, ...]
-    """One line per problem, naming the file; empty when the cache is sound."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def verify_cache(root: str) -> VerifyReport:
-    """Check every array of every item each manifest lists: its pack present and long enough,
-    its bytes with the recorded SHA-256, the pack's index agreeing with the manifest."""
-    cache = Cache(root)
-    if not os.path.isdir(cache.root):
-        raise FormatError(f"{cache.root}: no such cache directory")
-    problems: list[str] = cache.parse_all()
-    checked: set[str] = set()
-    files = 0
-    manifests = cache.manifests()
-    if not manifests:
-        problems.append(f"{os.path.join(cache.root, BUILDS_DIR)}: no build manifest; is this a tokenloom cache?")
-    for path in manifests:
-        try:
-            with open(path, encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as exc:
-            problems.append(f"{path}: unreadable manifest: {exc}")
-            continue
-        for entry in manifest.get("items", []):
-            key = entry.get("key")
-            if key in checked:
-                continue
-            checked.add(key)
-            if not cache.has(key, refresh=False):
-                problems.append(f"item {key} ({entry.get('label')}, listed in {path}) is in no pack index")
-                continue
-            pack_path, record = cache.entry(key)
-            if entry.get("pack") is not None:  # the copy this manifest's build uses
-                pack_path = os.path.join(cache.root, PACKS_DIR, f"{entry['pack']}.bin")
-                record = cache.copies(key).get(pack_path)
-                if record is None:
-                    problems.append(f"{pack_path[:-4]}.json: does not index item {key}, which manifest {path} "
-                                    "places in that pack")
-                    continue
-            if record.get("files") != entry.get("files"):
-                problems.append(f"{pack_path[:-4]}.json: item {key} differs from manifest {path}")
-            if not os.path.isfile(pack_path):
-                problems.append(f"{pack_path}: missing (holds item {key}, {entry.get('label')})")
-                continue
-            size = os.path.getsize(pack_path)
-            for name, meta in entry.get("files", {}).items():
-                where = f"{pack_path} [{name} of item {key}, bytes {meta['offset']}..{meta['offset'] + meta['bytes']}]"
-                if meta["offset"] + meta["bytes"] > size:
-                    problems.append(f"{where}: past the end of the {size}-byte pack; truncated")
-                    continue
-                files += 1
-                digest, bad_block = array_digest(pack_path, meta)
-                if digest != meta["sha256"]:
-                    block = ""
-                    if bad_block is not None:
-                        begin = meta["data_offset"] + bad_block * meta["block_bytes"]
-                        end = min(begin + meta["block_bytes"], meta["offset"] + meta["bytes"])
-                        block = f" (block {bad_block}, bytes {begin}..{end}, is the first that differs)"
-                    problems.append(f"{where}: SHA-256 {digest[:16]}..., manifest says {meta['sha256'][:16]}..."
-                                    f"{block}; the pack was changed or damaged")
-    return VerifyReport(root=cache.root, manifests=len(manifests), items=len(checked), files=files,
-                        problems=tuple(problems))
 
 
 __all__ = [

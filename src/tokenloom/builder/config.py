@@ -33,6 +33,9 @@ MODES = ("exact", "stateless")
 PACKINGS = ("concat", "best_fit")
 
 
+# long: one field per Megatron-LM data argument, each documented where it is declared, and the
+# checks of their values beside them; what reads files is resolve(), what resolves paths is four
+# small helpers. Splitting would scatter one user-facing contract over several places.
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
     """A blend turned into ready indices for every split. Fields follow Megatron-LM's names."""
@@ -248,26 +251,31 @@ class BuildConfig:
                 )
 
     def _budgeted(self, blend: BlendSpec, budget: tuple[str, tuple[float, ...]], what: str) -> BlendSpec:
-        """``blend`` weighted by the sample counts its budgets ask for; sets (or checks) train_samples.
+        """``blend`` weighted by the sample counts its token budgets ask for (setting or checking
+        train_samples), or, for epoch budgets, ``blend`` carrying them unresolved.
 
-        A token budget ``T`` is ``T // seq_length`` samples; an epoch budget ``e`` is
-        ``floor(e x samples in one epoch of the dataset's train documents)``, megatron-core's epoch
-        (``(tokens - add_extra_token) // seq_length``), which reads each store's .idx now. The
-        weights are those counts, so megatron-core's greedy blend (and tokenloom's closed-form one)
-        give every dataset exactly its count over ``train_samples = sum(counts)`` samples.
+        A token budget ``T`` is ``T // seq_length`` samples, known from the config alone. An epoch
+        budget needs each store's .idx (megatron-core's epoch of its train documents), so
+        constructing a config leaves it to :meth:`resolve`, the build's first step: a config only
+        checks values, it reads no files. The weights are the counts, so megatron-core's greedy
+        blend (and tokenloom's closed-form one) give every dataset exactly its count over
+        ``train_samples = sum(counts)`` samples.
         """
         kind, values = budget
+        if kind == "epochs":
+            if self.packing == "best_fit":
+                raise ConfigError(f"{what}: epoch budgets with packing='best_fit'; an epoch of a best-fit split is "
+                                  "only known once its documents are packed: give token budgets or weights")
+            return replace(blend, budget_epochs=tuple(values))
         seq = int(self.seq_length)
-        if kind == "tokens":
-            counts = [int(v) // seq for v in values]
-            tokens = [int(v) for v in values]
-        elif self.packing == "best_fit":
-            raise ConfigError(f"{what}: epoch budgets with packing='best_fit'; an epoch of a best-fit split is "
-                              "only known once its documents are packed: give token budgets or weights")
-        else:
-            per_epoch = [self._train_samples_per_epoch(prefix, what) for prefix in blend.prefixes]
-            counts = [math.floor(e * n) for e, n in zip(values, per_epoch)]
-            tokens = [c * seq for c in counts]
+        weighted, total = self._counted(blend, [int(v) // seq for v in values], kind, values, what)
+        object.__setattr__(self, "train_samples", total)
+        return weighted
+
+    def _counted(self, blend: BlendSpec, counts: list[int], kind: str, values, what: str) -> tuple[BlendSpec, int]:
+        """``blend`` weighted by ``counts`` (its budgets in samples) and the train_samples they add
+        up to, checked against a train_samples the config gives."""
+        seq = int(self.seq_length)
         for prefix, count, value in zip(blend.prefixes, counts, values):
             if count < 1:
                 raise ConfigError(f"{what}: the {kind} budget {value!r} of {prefix} is less than one sample of "
@@ -275,13 +283,36 @@ class BuildConfig:
         total = sum(counts)
         if self.train_samples is not None:
             check_non_negative_int("train_samples", self.train_samples)
-        if self.train_samples is None:
-            object.__setattr__(self, "train_samples", total)
-        elif int(self.train_samples) != total:
-            raise ConfigError(f"train_samples={self.train_samples} but the {kind} budgets of {what} add up to "
-                              f"{total} samples of {seq} tokens; drop train_samples (the budgets set it) or "
-                              "make them agree")
-        return BlendSpec(prefixes=blend.prefixes, weights=tuple(float(c) for c in counts), budget_tokens=tuple(tokens))
+            if int(self.train_samples) != total:
+                raise ConfigError(f"train_samples={self.train_samples} but the {kind} budgets of {what} add up to "
+                                  f"{total} samples of {seq} tokens; drop train_samples (the budgets set it) or "
+                                  "make them agree")
+        tokens = tuple(int(v) for v in values) if kind == "tokens" else tuple(c * seq for c in counts)
+        return BlendSpec(prefixes=blend.prefixes, weights=tuple(float(c) for c in counts), budget_tokens=tokens,
+                         written_prefixes=blend.written_prefixes), total
+
+    @property
+    def resolved(self) -> bool:
+        """Whether nothing is left for :meth:`resolve` to read (no unresolved epoch budget)."""
+        return all(b is None or b.budget_epochs is None for b in map(self.blend_for_split, range(len(SPLIT_NAMES))))
+
+    def resolve(self) -> BuildConfig:
+        """This config with its epoch budgets turned into sample counts: the build's first step,
+        the one that reads files (each budgeted store's .idx, for megatron-core's samples in one
+        epoch of its train documents: ``(tokens - add_extra_token) // seq_length``). The errors
+        are those a budget that cannot be met gets; a config with nothing to read is returned as
+        it is."""
+        if self.resolved:
+            return self
+        train, what = (self.blend, "blend") if self.blend is not None else (self.blend_per_split[0],
+                                                                          "blend_per_split[train]")
+        epochs = train.budget_epochs
+        per_epoch = [self._train_samples_per_epoch(prefix, what) for prefix in train.prefixes]
+        counts = [math.floor(e * n) for e, n in zip(epochs, per_epoch)]
+        weighted, total = self._counted(train, counts, "epochs", epochs, what)
+        if self.blend is not None:
+            return replace(self, blend=weighted, train_samples=total)
+        return replace(self, blend_per_split=(weighted, *self.blend_per_split[1:]), train_samples=total)
 
     def _train_samples_per_epoch(self, prefix: str, what: str) -> int:
         """megatron-core's samples in one epoch of ``prefix``'s train documents (reads its .idx)."""
@@ -430,9 +461,10 @@ def _as_blend(value: Any, what: str) -> BlendSpec:
     budget_tokens = None
     if isinstance(value, BlendSpec):
         prefixes, weights, budget_tokens = value.prefixes, value.weights, value.budget_tokens
-        if value.written_prefixes is not None:  # already resolved (a replaced config): keep the spelling
+        if value.written_prefixes is not None or value.budget_epochs is not None:
+            # a replaced config's blend: keep its spelling and any budget left for resolve()
             checked = _as_blend({"prefixes": prefixes, "weights": weights, "budget_tokens": budget_tokens}, what)
-            return replace(checked, written_prefixes=value.written_prefixes)
+            return replace(checked, written_prefixes=value.written_prefixes, budget_epochs=value.budget_epochs)
     elif isinstance(value, Mapping):
         unknown = sorted(set(value) - {"prefixes", "weights", "budget_tokens"})
         if unknown or "prefixes" not in value:
@@ -492,6 +524,8 @@ def _blend_dict(blend: BlendSpec | None, *, spelt: bool = False) -> dict | None:
         return None
     out = {"prefixes": list(blend.spelt() if spelt else blend.prefixes),
            "weights": None if blend.weights is None else list(blend.weights)}
+    if blend.budget_epochs is not None:  # not yet resolved: the form a config file gives it in
+        return {"prefixes": out["prefixes"], "epochs": list(blend.budget_epochs)}
     if blend.budget_tokens is not None:  # what the weights were made from (they are the sample counts)
         out["budget_tokens"] = list(blend.budget_tokens)
     return out
@@ -597,7 +631,7 @@ def _samples_from_extra(extra: dict, values: dict, source: str, base_dir: str | 
             raise ConfigError(f"{source}: samples given with {sorted(extra)}; give one source of counts")
         return tuple(None if s is None else _integral(s, "samples", source) for s in samples)
     if "geometry" in extra:
-        from tokenloom.planning.geometry import DataGeometry
+        from tokenloom.planning.data_geometry import DataGeometry
 
         path = Path(extra.pop("geometry"))
         if base_dir is not None and not path.is_absolute():

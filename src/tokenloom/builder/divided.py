@@ -43,18 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.cache import (
-    ALIGNMENT,
-    CACHE_FORMAT_VERSION,
-    PACKS_DIR,
-    TMP_DIR,
-    Cache,
-    host_record,
-    root_digest,
-    write_pack_index,
-)
+from tokenloom.builder.cache import Cache, host_record
 from tokenloom.builder.collective import agree, failure_from
 from tokenloom.builder.items import WorkItem
+from tokenloom.builder.packs import ALIGNMENT, CACHE_FORMAT_VERSION, PACKS_DIR, TMP_DIR, root_digest, write_pack_index
 from tokenloom.errors import BuildError
 from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled
 from tokenloom.io.writer import fsync_dir

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import BuildError
+from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
 from tokenloom.index.megatron_gpt import build_document_index, build_sample_index, build_shuffle_index
-from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import DocumentRange, document_ids
 from tokenloom.io import IndexedDataset
 

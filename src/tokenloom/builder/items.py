@@ -11,9 +11,10 @@ blend sizes and weights):
   the plan, whose sample counts they decide.
 
 Every item is self-contained (the planner already knows each dataset's length from its token
-count), so all items, blends included, run in parallel. The cost model estimates seconds from
-document positions, samples and blend size; items go to ranks by longest-processing-time-first
-(each item, costliest first, to the least-loaded rank).
+count), so all items, blends included, run in parallel. The cost model
+(:mod:`tokenloom.builder.cost_model`) estimates seconds from document positions, samples and
+blend size; items go to ranks by longest-processing-time-first (each item, costliest first, to
+the least-loaded rank).
 """
 
 from __future__ import annotations
@@ -29,11 +30,21 @@ import numpy as np
 
 from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.builder.config import BuildConfig
+from tokenloom.builder.cost_model import COST_PER_BLEND_SAMPLE_S as COST_PER_BLEND_SAMPLE_S  # importable here as before
+from tokenloom.builder.cost_model import (
+    COST_PER_ITEM_S,
+    COST_PER_MANIFEST_ITEM_S,
+    blend_cost,
+    gpt_cost,
+    range_cost,
+    stateless_blend_cost,
+    stateless_gpt_cost,
+)
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
-from tokenloom.index.packing import EpochPlan, plan_epochs
+from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 from tokenloom.source.keys import hash_key
 from tokenloom.validate import check_positive_int
@@ -129,45 +140,12 @@ class BuildPlan:
         for key, bounds in self.divided.items():
             item = by_key[key]
             for rank in range(self.world_size):
-                loads[rank] += _range_cost(item, bounds[rank + 1] - bounds[rank])
+                loads[rank] += range_cost(item, bounds[rank + 1] - bounds[rank])
         return loads
 
     @property
     def cache_bytes(self) -> int:
         return sum(item.output_bytes for item in self.items)
-
-
-# ------------------------------------------------------------------------------------ cost model
-
-#: Seconds per unit of work on one core, measured on the benchmark machine (BENCHMARKS.md); only
-#: ratios matter for the assignment, the absolute values feed the dry-run estimate.
-COST_PER_DOCUMENT_POSITION_S = 25e-9
-"""RandomState shuffle of the document index plus the sample walk, per document position."""
-COST_PER_SAMPLE_S = 30e-9
-"""Sample-index row and shuffle-index draw, per sample."""
-COST_PER_BLEND_SAMPLE_S = 150e-9
-"""megatron-core's greedy blend, per blended sample."""
-COST_PER_BYTE_S = 0.5e-9
-"""Writing and hashing output, per byte."""
-COST_PER_ITEM_S = 2e-3
-"""Fixed cost of an item: opening files, the record, renames."""
-COST_PER_STATELESS_DOCUMENT_S = 4e-9
-"""Stateless mode: block prefix sums, per document."""
-COST_PER_STATELESS_ITEM_S = 0.25e-3
-"""Fixed cost of a stateless ``gpt`` item: its record and two small arrays, apart from the
-per-document sums that :data:`COST_PER_STATELESS_DOCUMENT_S` counts. Much below
-:data:`COST_PER_ITEM_S`, since a stateless item writes no per-sample arrays."""
-COST_PER_MANIFEST_ITEM_S = 80e-6
-"""A writer rank's manifest and warm-start record, per item of the build: reading the item's
-record from the pack indexes, writing its entry, pickling the plan. A writer also builds items,
-so this fixed load decides how many fewer it is given. The value errs high, toward what finalize
-costs a writer on a crowded host rather than one alone: an estimate at its usual cost still left
-the writer the slowest rank (BENCHMARKS.md, "Cluster scale")."""
-
-
-def _gpt_cost(num_positions: int, num_samples: int, output_bytes: int) -> float:
-    return (COST_PER_ITEM_S + COST_PER_DOCUMENT_POSITION_S * num_positions
-            + COST_PER_SAMPLE_S * num_samples + COST_PER_BYTE_S * output_bytes)
 
 
 # ------------------------------------------------------------------------------------ resolution
@@ -237,7 +215,7 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         sample_row_bytes = 4 if positions <= np.iinfo(np.int32).max else 8
         shuffle_bytes = 4 if samples < np.iinfo(np.uint32).max - 1 else 8
         output_bytes = 4 * positions + 2 * sample_row_bytes * (samples + 1) + shuffle_bytes * samples
-        cost = _gpt_cost(positions, samples, output_bytes)
+        cost = gpt_cost(positions, samples, output_bytes)
         identifiers = gpt_identifiers(
             dataset_path=config.spelling(info.prefix), num_samples=num_samples, split=split, random_seed=config.seed,
             sequence_length=config.seq_length, split_string=config.split,
@@ -245,7 +223,7 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         megatron = gpt_name(identifiers)
     else:
         output_bytes = 8 * (positions // 16 + 2) + 4096
-        cost = COST_PER_STATELESS_ITEM_S + COST_PER_STATELESS_DOCUMENT_S * positions
+        cost = stateless_gpt_cost(positions)
     return WorkItem(kind="gpt", key=hash_key(params), split=split, label=f"gpt {split} {info.prefix}",
                     params=params, num_samples=samples, output_bytes=output_bytes, cost_s=cost,
                     megatron=megatron, prefix=info.prefix, epoch_plan=epoch_plan)
@@ -303,13 +281,13 @@ def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem],
     megatron = None
     if config.mode == "exact":
         output_bytes = total * (np.dtype(np.int16).itemsize + 8)
-        cost = COST_PER_ITEM_S + COST_PER_BLEND_SAMPLE_S * total + COST_PER_BYTE_S * output_bytes
+        cost = blend_cost(total, output_bytes)
         if config.packing == "concat":  # megatron-core has no best-fit datasets to name
             megatron = blend_name(
                 datasets=[_identifiers_of(d) for d in datasets], split=split, weights=list(weights), size=size)
     else:
         output_bytes = 4096
-        cost = COST_PER_ITEM_S + 1e-6 * len(datasets)
+        cost = stateless_blend_cost(len(datasets))
     return WorkItem(kind="blend", key=hash_key(params), split=split,
                     label=f"blend {split} of {len(datasets)} datasets", params=params,
                     num_samples=total, output_bytes=output_bytes, cost_s=cost, megatron=megatron)
@@ -384,7 +362,11 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
 
     ``made``: dataset items already made (:func:`dataset_items`, by this rank or gathered from
     others); the rest are made here. ``pack_samples``: a best-fit build's chunk sample counts.
+    ``config`` must be resolved (:meth:`BuildConfig.resolve`, which ``tokenloom.build`` calls).
     """
+    if not config.resolved:  # an epoch budget left unresolved would read as an unweighted blend
+        raise ConfigError("the config's epoch budgets are not resolved yet: call config.resolve() (it reads "
+                          "the stores' .idx) before planning, as tokenloom.build does")
     made = {} if made is None else made
     items: dict[str, WorkItem] = {}
     splits: list[SplitPlan] = []
@@ -440,13 +422,6 @@ def _stateless_sizes(blend, datasets: list[WorkItem], size: int | None) -> tuple
     lengths = [d.num_samples for d in datasets]
     total = sum(lengths) if size is None else min(size, sum(lengths))
     return megatron_normalize(lengths).tolist(), int(total)
-
-
-def _range_cost(item: WorkItem, positions: int) -> float:
-    """Seconds on one core to compute and write ``positions`` positions of a divided blend."""
-    if positions <= 0:
-        return 0.0
-    return COST_PER_ITEM_S + (item.cost_s - COST_PER_ITEM_S) * positions / max(1, item.num_samples)
 
 
 def divide_blends(blends: list[WorkItem], loads: list[float], block: int) -> dict[str, tuple[int, ...]]:

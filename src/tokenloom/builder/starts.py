@@ -64,7 +64,7 @@ START_VERSION = 1
 _ALLOWED = {
     ("tokenloom.builder.items", "WorkItem"),
     ("tokenloom.builder.items", "SplitPlan"),
-    ("tokenloom.index.packing", "EpochPlan"),
+    ("tokenloom.index.epochs", "EpochPlan"),
     ("tokenloom.builder.megatron_names", "MegatronName"),
     ("collections", "OrderedDict"),
 }
@@ -101,7 +101,7 @@ class StartRecord:
 _PLAN_MODULES = (
     "tokenloom.builder.config", "tokenloom.builder.items", "tokenloom.builder.megatron_names",
     "tokenloom.builder.stores", "tokenloom.builder.starts", "tokenloom.index.blend", "tokenloom.index.blend_spec",
-    "tokenloom.index.packing", "tokenloom.index.split", "tokenloom.source.keys",
+    "tokenloom.index.epochs", "tokenloom.index.split", "tokenloom.source.keys",
 )
 """The modules whose code makes a plan from a config and fingerprints."""
 

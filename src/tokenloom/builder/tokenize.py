@@ -30,6 +30,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, s3
 from tokenloom.io.format import idx_path, normalize_prefix
 from tokenloom.io.writer import write_json_atomic
+from tokenloom.tokenization.inputs import count_lines, discover_inputs
 from tokenloom.tokenization.pipeline import (
     InputPiece,
     TokenizeConfig,
@@ -39,7 +40,6 @@ from tokenloom.tokenization.pipeline import (
     tokenize_pieces,
     tokenize_to_store,
 )
-from tokenloom.tokenization.sources import count_lines, discover_inputs
 from tokenloom.tokenization.tokenizers import load_tokenizer
 
 PARTS_SUFFIX = ".parts"

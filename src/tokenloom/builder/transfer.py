@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 
-from tokenloom.builder.cache import Cache, PackWriter
+from tokenloom.builder.cache import Cache
+from tokenloom.builder.packs import PackWriter
 from tokenloom.errors import BuildError
 
 

@@ -1,6 +1,6 @@
 """Pure index kernels (arrays in, arrays out; no I/O): packed samples, shuffles, blends.
 
-Two modes share one sample semantics (:mod:`tokenloom.index.packing`):
+Two modes share one sample semantics (:mod:`tokenloom.index.epochs`):
 
 * Megatron-exact: :func:`build_megatron_gpt_indices` and :func:`megatron_blend` reproduce
   megatron-core 0.19.2's arrays bit for bit;
@@ -21,6 +21,7 @@ from tokenloom.index.blend_spec import (
     megatron_sizes,
     plan_split_blends,
 )
+from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.feistel import FeistelPermutation
 from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
 from tokenloom.index.megatron_gpt import (
@@ -29,7 +30,6 @@ from tokenloom.index.megatron_gpt import (
     build_megatron_gpt_indices,
     megatron_gpt_sample,
 )
-from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.split import (
     DocumentRange,
     SplitDocumentRanges,

@@ -38,6 +38,7 @@ from tokenloom.errors import ConfigError, FormatError
 from tokenloom.index.best_fit import BestFitPacking, pack_best_fit
 from tokenloom.index.feistel import FeistelPermutation
 from tokenloom.index.stateless import SampleSpans
+from tokenloom.validate import check_int
 
 __all__ = [
     "DEFAULT_WINDOW",
@@ -77,8 +78,7 @@ def resolve_window(window: int | None, capacity: int) -> int:
     that smallest value."""
     if window is None:
         return max(DEFAULT_WINDOW, int(capacity))
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
-        raise ConfigError(f"best_fit_window={window!r}; expected a whole number of documents")
+    check_int("best_fit_window", window, expected="a whole number of documents")
     if window < capacity:
         raise ConfigError(
             f"best_fit_window={window} documents is too small for samples of {capacity} tokens "

@@ -54,6 +54,7 @@ import numpy as np
 from tokenloom.errors import ConfigError
 from tokenloom.index.feistel import derive_round_keys, feistel_bits
 from tokenloom.index.kernels import compiled, compiled_on_call, jit, numba_available, resolve_backend
+from tokenloom.validate import check_int, check_positive_int, is_integer
 
 __all__ = ["MAX_BLEND_SIZE", "Blend", "dataset_id_dtype", "largest_remainder_counts"]
 
@@ -434,13 +435,12 @@ class Blend:
     def __init__(self, weights, size: int, *, seed: int | None = None, window: int | None = None,
                  names: Sequence[str] | None = None, backend: str = "auto") -> None:
         w = _check_weights(weights, names)
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 0 <= int(size) <= MAX_BLEND_SIZE:
-            raise ConfigError(f"size={size!r}; expected an integer number of samples in [0, {MAX_BLEND_SIZE}]")
+        check_int("size", size, minimum=0, maximum=MAX_BLEND_SIZE,
+                  expected=f"an integer number of samples in [0, {MAX_BLEND_SIZE}]")
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+            if not is_integer(seed) or not 0 <= int(seed) < 1 << 64:
                 raise ConfigError(f"seed={seed!r}; expected an integer in [0, 2**64)")
-            is_count = isinstance(window, (int, np.integer)) and not isinstance(window, bool)
-            if not is_count or int(window) < 1:
+            if not is_integer(window) or int(window) < 1:
                 raise ConfigError(
                     f"window={window!r} with seed={seed}; a seeded blend shuffles within windows, so "
                     "give window as a positive number of samples (e.g. the global batch size)"
@@ -619,9 +619,7 @@ class Blend:
         datasets) and ``(size,)`` int64, the arrays megatron-core's BlendedDataset holds.
 
         ``threads > 1`` (numba) fills that many ranges of positions at once; same arrays."""
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-            raise ConfigError(f"threads={threads!r}; expected a positive integer")
-        threads = int(threads)
+        threads = check_positive_int("threads", threads)
         dataset_ids = np.empty(self.size, dtype=self.dataset_id_dtype)
         sample_ids = np.empty(self.size, dtype=np.int64)
         if self.seed is not None:

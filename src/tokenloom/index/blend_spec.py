@@ -35,6 +35,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
 from tokenloom.index.split import SPLIT_NAMES, split_bookends
+from tokenloom.validate import check_non_negative_int
 
 __all__ = [
     "DEFAULT_SURPLUS",
@@ -61,9 +62,7 @@ def megatron_normalize(weights) -> np.ndarray:
 
 
 def _as_count(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 0:
-        raise ConfigError(f"{what}={value!r}; expected a non-negative integer")
-    return int(value)
+    return check_non_negative_int(what, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +81,10 @@ class BlendSpec:
     """Training tokens each dataset was given instead of a share (a token or epoch budget), when
     the weights were derived from budgets: the weights are then the sample counts
     ``budget // seq_length`` (see ``tokenloom.builder.config``); None when weights were given."""
+    budget_epochs: tuple[float, ...] | None = None
+    """Epochs of each dataset's train documents, given as its budget and not yet turned into
+    sample counts: a build resolves them first (``BuildConfig.resolve`` reads the stores' .idx),
+    after which ``weights`` and ``budget_tokens`` hold the counts and this is None."""
     written_prefixes: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
     """The prefixes as a config file spelt them, where ``prefixes`` are those resolved against the
     file's folder; None when they are the same. Build keys and megatron-core's file names are made
@@ -109,6 +112,13 @@ class BlendSpec:
         object.__setattr__(self, "_sizes", {})  # not a field: megatron_sizes by (num_samples, surplus)
         if self.weight_unit not in WEIGHT_UNITS:
             raise ConfigError(f"weight_unit={self.weight_unit!r}; expected one of {WEIGHT_UNITS}")
+        if self.budget_epochs is not None:
+            epochs = tuple(float(e) for e in self.budget_epochs)
+            if len(epochs) != len(prefixes) or self.weights is not None or self.budget_tokens is not None:
+                raise ConfigError(f"{len(epochs)} epoch budgets for {len(prefixes)} prefixes (with weights "
+                                  f"{self.weights!r}); expected one budget per prefix and no weights before they "
+                                  "are resolved")
+            object.__setattr__(self, "budget_epochs", epochs)
         if self.budget_tokens is not None:
             budgets = tuple(int(b) for b in self.budget_tokens)
             if len(budgets) != len(prefixes) or self.weights is None:

@@ -59,6 +59,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
+from tokenloom.validate import check_int, check_positive_int
 
 __all__ = [
     "MEGATRON_MAX_DATASETS",
@@ -473,9 +474,7 @@ if numba_available():
 
 
 def _check_size(size, what: str) -> int:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or int(size) < 0:
-        raise ConfigError(f"{what}={size!r}; expected a non-negative integer number of samples")
-    return int(size)
+    return check_int(what, size, minimum=0, expected="a non-negative integer number of samples")
 
 
 def _groups(weights: np.ndarray, limits: np.ndarray):
@@ -710,9 +709,7 @@ def _run(greedy: MegatronGreedy, size: int, threads: int = 1):
 
 
 def _check_threads(threads) -> int:
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise ConfigError(f"threads={threads!r}; expected a positive integer")
-    return int(threads)
+    return check_positive_int("threads", threads)
 
 
 def _check_num_datasets(num_datasets: int, allow_beyond_megatron: bool) -> None:

@@ -26,9 +26,10 @@ from typing import Protocol
 import numpy as np
 
 from tokenloom.errors import BuildError, ConfigError
+from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
-from tokenloom.index.packing import EpochPlan, plan_epochs
 from tokenloom.index.randomstate_shuffle import shuffle_like_randomstate
+from tokenloom.validate import check_int, is_integer
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
@@ -300,9 +301,8 @@ def _as_document_ids(document_ids: np.ndarray, num_documents_in_store: int) -> n
 
 
 def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= UINT32_MAX:
-        raise ConfigError(f"seed={seed!r}; expected an integer in [0, {UINT32_MAX}] (a RandomState seed)")
-    return int(seed)
+    return check_int("seed", seed, minimum=0, maximum=UINT32_MAX,
+                     expected=f"an integer in [0, {UINT32_MAX}] (a RandomState seed)")
 
 
 def build_megatron_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, *,
@@ -346,7 +346,7 @@ def megatron_gpt_sample(indices: GPTIndices, reader: TokenReader, index: int, *,
     tokenizer's pad id, or -1 when it has none or it collides with another special token).
     """
     num_samples = indices.num_samples
-    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not -num_samples <= index < num_samples:
+    if not is_integer(index) or not -num_samples <= index < num_samples:
         raise ConfigError(f"index={index!r}; expected an integer in [{-num_samples}, {num_samples})")
     extra = int(indices.plan.add_extra_token)
     row = int(indices.shuffle_index[index])

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.validate import check_non_negative_int
 
 _NUMBER = re.compile(r"[.0-9]+")
 _SEPARATORS = re.compile(r"[\s,/:]*")
@@ -119,8 +120,7 @@ def _split_bookends(fractions: SplitFractions) -> SplitBookends:
 def split_document_ranges(split: str, num_documents: int) -> SplitDocumentRanges:
     """The documents each split of a ``num_documents``-document store uses, as megatron-core cuts
     them: ``int(round(fraction * float(num_documents)))`` at each book-end."""
-    if isinstance(num_documents, bool) or not isinstance(num_documents, (int, np.integer)) or num_documents < 0:
-        raise ConfigError(f"num_documents={num_documents!r}; expected a non-negative integer")
+    check_non_negative_int("num_documents", num_documents)
     count = float(num_documents)
     ranges = []
     for bookend in split_bookends(split):

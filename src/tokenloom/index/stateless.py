@@ -2,7 +2,7 @@
 
 Samples are the same as :mod:`tokenloom.index.megatron_gpt`'s (windows of ``seq_length``
 tokens plus the shared extra label token, packed across documents, over the epochs that
-:func:`tokenloom.index.packing.plan_epochs` asks for); only the order comes from elsewhere:
+:func:`tokenloom.index.epochs.plan_epochs` asks for); only the order comes from elsewhere:
 
 * Documents: epoch ``e`` visits the split's documents in the order of a keyed Feistel
   permutation ``P_e`` (:mod:`tokenloom.index.feistel`, purpose ``"documents"``, epoch ``e``):
@@ -50,10 +50,11 @@ from tokenloom.index._stateless_kernels import (
     _spans_numba,
     _spans_pass1_numba,
 )
+from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.feistel import MAX_SIZE, FeistelPermutation, default_rounds, derive_round_keys, feistel_bits
 from tokenloom.index.kernels import compiled, import_numba, numba_available, resolve_backend
 from tokenloom.index.megatron_gpt import GPTIndices, TokenReader, build_sample_index, shuffle_index_dtype
-from tokenloom.index.packing import EpochPlan, plan_epochs
+from tokenloom.validate import check_positive_int, is_integer
 
 __all__ = [
     "BACKENDS",
@@ -509,14 +510,12 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
                           "expected a 1-D integer array (a token store's document lengths)")
     if lengths.size and int(lengths.min()) < 0:
         raise ConfigError(f"sequence_lengths holds a negative length {int(lengths.min())}; expected lengths >= 0")
-    if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1
-            or block_size & (block_size - 1)):
+    if not is_integer(block_size) or block_size < 1 or block_size & (block_size - 1):
         raise ConfigError(f"block_size={block_size!r}; expected a power of two (1, 2, 4, ...) number of "
                           "documents per block")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < (1 << 64):
+    if not is_integer(seed) or not 0 <= seed < (1 << 64):
         raise ConfigError(f"seed={seed!r}; expected an integer in [0, 2**64)")
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise ConfigError(f"threads={threads!r}; expected a positive integer")
+    check_positive_int("threads", threads)
     backend = resolve_backend(backend, BACKENDS, fallback="numpy")
     if document_ids is None:
         ids, first_id = None, 0

@@ -17,6 +17,7 @@ report (the table); api holds :func:`plan`, which takes presets and keyword fiel
 
 from tokenloom.planning import formulas
 from tokenloom.planning.api import plan
+from tokenloom.planning.data_geometry import DataGeometry
 from tokenloom.planning.formulas import (
     activation_bytes,
     activation_bytes_per_layer,
@@ -29,7 +30,6 @@ from tokenloom.planning.formulas import (
     pipeline_bubble_fraction,
     training_days_estimate,
 )
-from tokenloom.planning.geometry import DataGeometry
 from tokenloom.planning.layout import Layout, MemoryEstimate, evaluate_layout
 from tokenloom.planning.presets import GPU_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 from tokenloom.planning.report import format_plan

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenloom.errors import ConfigError
 from tokenloom.planning import formulas
-from tokenloom.planning.geometry import DataGeometry
+from tokenloom.planning.data_geometry import DataGeometry
 from tokenloom.planning.layout import GIB, Layout, evaluate_layout
 from tokenloom.planning.specs import ClusterSpec, ModelSpec, PlanOptions, TrainingSpec
 

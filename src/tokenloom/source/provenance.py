@@ -29,6 +29,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.io.format import normalize_prefix
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator
+from tokenloom.validate import check_int, check_positive_int
 
 #: Positions of the blend arrays a pass reads at once (bounds the memory of :func:`find`).
 _CHUNK = 1 << 24
@@ -141,8 +142,7 @@ def _samples_holding_exact(indices: GPTIndices, sequence_lengths: np.ndarray, do
 def samples_holding(source: BlendedSource, prefix: str, document: int) -> dict[int, np.ndarray]:
     """Dataset id -> its sample ids (ascending) whose tokens include some of store ``prefix``'s
     document ``document``, for every dataset of ``source`` that reads that store."""
-    if isinstance(document, bool) or not isinstance(document, (int, np.integer)) or document < 0:
-        raise ConfigError(f"document={document!r}; expected a document id (a non-negative integer)")
+    check_int("document", document, minimum=0, expected="a document id (a non-negative integer)")
     out: dict[int, np.ndarray] = {}
     for d in datasets_of(source, prefix):
         reader = source.readers[d]
@@ -190,9 +190,7 @@ def positions_of(source: BlendedSource, d: int, sample_ids: np.ndarray) -> np.nd
 
 def steps_of(positions: np.ndarray, global_batch_size: int) -> np.ndarray:
     """The (0-based) optimizer steps that serve ``positions`` at a constant global batch size."""
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) \
-            or global_batch_size < 1:
-        raise ConfigError(f"global_batch_size={global_batch_size!r}; expected a positive integer")
+    check_positive_int("global_batch_size", global_batch_size)
     return np.unique(np.asarray(positions, dtype=np.int64) // int(global_batch_size))
 
 

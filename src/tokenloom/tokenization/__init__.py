@@ -7,15 +7,15 @@ to one Megatron token store whose ``.meta.json`` sidecar records the tokenizer
 (``TokenizerRecord``) so later stages can check it.
 """
 
-from tokenloom.tokenization.pipeline import ProgressCallback, TokenizeConfig, TokenizeSummary, tokenize_to_store
-from tokenloom.tokenization.record import TokenizerRecord, load_tokenizer_record
-from tokenloom.tokenization.sources import (
+from tokenloom.tokenization.inputs import (
     BAD_RECORD_REASONS,
     InputFile,
     Record,
     discover_inputs,
     iter_records,
 )
+from tokenloom.tokenization.pipeline import ProgressCallback, TokenizeConfig, TokenizeSummary, tokenize_to_store
+from tokenloom.tokenization.record import TokenizerRecord, load_tokenizer_record
 from tokenloom.tokenization.tokenizers import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

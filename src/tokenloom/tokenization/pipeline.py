@@ -37,8 +37,7 @@ import numpy as np
 from tokenloom.errors import BuildError, ConfigError, InputError
 from tokenloom.io import IndexedDatasetWriter, dtype_for_vocab
 from tokenloom.tokenization.engines import GUARD_CHARACTERS, check_engine, first_difference
-from tokenloom.tokenization.record import TokenizerRecord
-from tokenloom.tokenization.sources import (
+from tokenloom.tokenization.inputs import (
     BAD_RECORD_REASONS,
     INPUT_FORMATS,
     BadRecord,
@@ -50,6 +49,7 @@ from tokenloom.tokenization.sources import (
     read_chunks,
     splittable,
 )
+from tokenloom.tokenization.record import TokenizerRecord
 from tokenloom.tokenization.tokenizers import Tokenizer, load_tokenizer
 from tokenloom.validate import is_integer
 
@@ -377,7 +377,7 @@ class InputPiece:
 def plan_pieces(files: Sequence[InputFile], config: TokenizeConfig, parts: int) -> list[list[InputPiece]]:
     """Divide ``files`` into ``parts`` runs of pieces of about equal bytes, in input order: the
     runs concatenated are the input in order. Files that can be read by byte range
-    (:func:`~tokenloom.tokenization.sources.splittable`) are cut at line starts where a run ends;
+    (:func:`~tokenloom.tokenization.inputs.splittable`) are cut at line starts where a run ends;
     others (compressed, Parquet, document-per-file text) go whole to the run their first byte
     falls in. Deterministic: every rank computes the same plan (``first_line`` left at 1: the
     caller counts lines)."""

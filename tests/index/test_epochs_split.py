@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.packing import num_samples_in_index, plan_epochs
+from tokenloom.index.epochs import num_samples_in_index, plan_epochs
 from tokenloom.index.split import (
     DocumentRange,
     document_ids,

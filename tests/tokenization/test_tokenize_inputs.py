@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenloom.errors import InputError
-from tokenloom.tokenization.sources import (
+from tokenloom.tokenization.inputs import (
     discover_inputs,
     iter_records,
     parse_chunk,
@@ -223,8 +223,8 @@ def _reference_parse(payload: bytes, first_line: int, text_key: str):
 def test_fast_json_path_reads_what_json_reads(lines, text_key, first_line):
     """orjson parses the common line, json every other one: the texts, line numbers and bad
     records are those of a plain json reading, with orjson or without it."""
-    from tokenloom.tokenization import sources
-    from tokenloom.tokenization.sources import RawChunk
+    from tokenloom.tokenization import inputs
+    from tokenloom.tokenization.inputs import RawChunk
 
     pytest.importorskip("orjson")
     payload = b"\n".join(lines) + b"\n"
@@ -234,7 +234,7 @@ def test_fast_json_path_reads_what_json_reads(lines, text_key, first_line):
     for fast in (True, False):
         with pytest.MonkeyPatch.context() as patch:
             if not fast:
-                patch.setattr(sources, "_fast_json_loads", lambda: None)
+                patch.setattr(inputs, "_fast_json_loads", lambda: None)
             parsed = parse_chunk(chunk, text_key=text_key)
         assert list(zip(parsed.line_numbers, parsed.texts)) == expected[0], fast
         assert [(b.line_number, b.reason) for b in parsed.bad] == expected[1], fast

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.validate import check_int
 
 FINAL_EPOCH_THRESHOLD = 0.80
 """A final epoch contributing fewer than ``int(0.80 * num_samples_per_epoch)`` samples is
@@ -125,15 +126,10 @@ def plan_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, *,
     (samples requested from an epoch with no tokens) or fail an assertion. An epoch with no
     tokens and ``num_samples=None`` gives an empty index, as in megatron-core.
     """
-    if isinstance(seq_length, bool) or not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-        raise ConfigError(f"seq_length={seq_length!r}; expected a positive integer number of tokens")
-    seq_length = int(seq_length)
+    seq_length = check_int("seq_length", seq_length, minimum=1, expected="a positive integer number of tokens")
     if num_samples is not None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
-            raise ConfigError(
-                f"num_samples={num_samples!r}; expected a non-negative integer, or None for one epoch"
-            )
-        num_samples = int(num_samples)
+        num_samples = check_int("num_samples", num_samples, minimum=0,
+                                expected="a non-negative integer, or None for one epoch")
     extra = int(bool(add_extra_token))
     num_documents = int(np.shape(document_ids)[0])
     num_tokens_per_epoch = count_tokens_per_epoch(sequence_lengths, document_ids)

@@ -1,0 +1,78 @@
+"""Phase 2, plan: what the build is made of, what is missing, and which rank builds what.
+
+:func:`make_plan` is the general path: every rank resolves the same items and keys from the
+gathered ones, the writers check their cache, and all ranks agree on what is missing; missing
+items go to ranks by longest processing time first, exact blends are cut into one range per rank;
+then :func:`check_cache_space` has every writer check its disk. :func:`plan_from_record` is a
+warm start's: the kept plan, every item present.
+"""
+
+from __future__ import annotations
+
+from tokenloom.builder.collective import agree, failure_from
+from tokenloom.builder.context import BuildContext
+from tokenloom.builder.items import BuildPlan, assign_work, resolve_items
+from tokenloom.builder.starts import StartRecord
+from tokenloom.io.space import check_space
+
+Planned = tuple[BuildPlan, dict[int, int], dict[int, set]]
+"""The plan, each rank's writer, and the keys each writer's cache holds."""
+
+
+def plan_from_record(ctx: BuildContext, record: StartRecord) -> Planned:
+    """The plan of a warm-start record: every item present, nothing to build."""
+    nodes, writers = ctx.nodes()
+    keys = frozenset(item.key for item in record.items)
+    plan = assign_work(ctx.config, record.items, record.splits, ctx.world, [],
+                       writers=tuple(sorted(writers)))
+    ctx.writer_of = nodes
+    return plan, nodes, {writer: keys for writer in writers}
+
+
+def make_plan(ctx: BuildContext) -> Planned:
+    """The plan of the stores' infos and the chunks' counts, after every writer looked in its
+    cache and checked its disk (not on a dry run)."""
+    failure = None
+    items = splits = None
+    mine: set[str] | None = None
+    try:  # every item; which rank builds what waits for what the caches hold
+        items, splits = resolve_items(ctx.config, ctx.infos, ctx.made,
+                                      {key: stats["num_samples"] for key, stats in ctx.pack_stats.items()})
+    except Exception as exc:
+        failure = failure_from(exc, rank=ctx.rank, phase="plan", item=None)
+    nodes, writers = ctx.nodes()
+    if items is not None and ctx.rank in writers:
+        try:
+            ctx.cache.refresh()  # one listing of the packs, not one per item
+            mine = {item.key for item in items if ctx.cache.has(item.key, refresh=False)}
+        except Exception as exc:  # pragma: no cover - a broken filesystem
+            failure = failure_from(exc, rank=ctx.rank, phase="plan", item="cache lookup")
+    gathered = agree(ctx.group, failure, phase="plan", payload=mine)
+    present = {writer: gathered[writer] for writer in writers}
+    everywhere_missing = [item for item in items if not any(item.key in keys for keys in present.values())]
+    plan = assign_work(ctx.config, items, splits, ctx.world, everywhere_missing,
+                       writers=tuple(sorted(writers)))
+    ctx.writer_of = nodes
+    if not ctx.dry_run:
+        check_cache_space(ctx, items, present, writers)
+    return plan, nodes, present
+
+
+def check_cache_space(ctx: BuildContext, items, present, writers) -> None:
+    """Every writer checks that its cache's filesystem holds what it will receive (the plan's
+    estimate), so that a build too big for its disk fails on every rank before it writes."""
+    failure = None
+    if ctx.rank in writers:
+        missing = [item for item in items if item.key not in present[ctx.rank]]
+        needed = sum(item.output_bytes for item in missing)
+        ctx.cache.expected_bytes = needed
+        try:
+            if needed:
+                check_space(ctx.cache.root, needed, f"the build ({len(missing)} items to write; "
+                            "`tokenloom build --dry-run` prints this estimate)")
+        except Exception as exc:
+            failure = failure_from(exc, rank=ctx.rank, phase="plan", item=None)
+    agree(ctx.group, failure, phase="plan")
+
+
+__all__ = ["Planned", "check_cache_space", "make_plan", "plan_from_record"]
