@@ -187,5 +187,12 @@ def test_an_abort_on_a_full_disk_raises_nothing_of_its_own(small_disk):
         writer.finalize()
     writer.abort()  # again: nothing to do, nothing raised
     assert _leftovers(small_disk) == []
+    # a writer abandoned with 2 MB still in its buffer (another error stopped the run): closing
+    # the file would flush them into the full disk; the abort discards them instead of raising
+    abandoned = IndexedDatasetWriter(str(small_disk / "abandoned"), dtype=np.uint16)
+    for _ in range(100):
+        abandoned.add_document(np.zeros(10_000, dtype=np.uint16))
+    abandoned.abort()
+    assert _leftovers(small_disk) == []
     with pytest.raises(FormatError, match="no token store"):
         IndexedDataset(str(small_disk / "w"))

@@ -141,7 +141,7 @@ class BuildConfig:
             raise ConfigError(f"base_dir={self.base_dir!r}; expected a directory path or None")
         if self.blend is not None:
             blend, budget = _parse_blend(self.blend, "blend")
-            blend = self._resolved(blend)
+            blend = self._paths_resolved(blend)
             if self.split is None:
                 raise ConfigError("BuildConfig.split is required with blend, e.g. split='969,30,1'")
             parse_split(self.split)
@@ -163,7 +163,7 @@ class BuildConfig:
             blends = []
             for b, name in zip(per_split, SPLIT_NAMES):
                 blend, budget = (None, None) if b is None else _parse_blend(b, f"blend_per_split[{name}]")
-                blend = None if blend is None else self._resolved(blend)
+                blend = None if blend is None else self._paths_resolved(blend)
                 if budget is not None:
                     if name != "train":
                         raise ConfigError(f"blend_per_split[{name}] has a {budget[0]} budget; budgets count "
@@ -349,7 +349,7 @@ class BuildConfig:
             return path
         return os.path.normpath(os.path.join(str(self.base_dir), path))
 
-    def _resolved(self, blend: BlendSpec) -> BlendSpec:
+    def _paths_resolved(self, blend: BlendSpec) -> BlendSpec:
         """``blend`` with its prefixes resolved against base_dir, keeping the spelling."""
         resolved = tuple(self.resolve_path(p) for p in blend.prefixes)
         if resolved == blend.prefixes:

@@ -86,6 +86,10 @@ def where(source: BlendedSource, positions) -> list[SampleOrigin]:
 
 def datasets_of(source: BlendedSource, prefix: str) -> list[int]:
     """Dataset ids of ``source`` that read store ``prefix``; ConfigError naming the stores if none."""
+    spelt = normalize_prefix(prefix)
+    found = [d for d, reader in enumerate(source.readers) if reader.prefix == spelt]
+    if found:  # spelt as the split spells it: no file system call per store
+        return found
     wanted = store_identity(prefix)
     found = [d for d, reader in enumerate(source.readers) if store_identity(reader.prefix) == wanted]
     if not found:

@@ -2,14 +2,14 @@
 
 :func:`make_plan` is the general path: every rank resolves the same items and keys from the
 gathered ones, the writers check their cache, and all ranks agree on what is missing; missing
-items go to ranks by longest processing time first, exact blends are cut into one range per rank;
-then :func:`check_cache_space` has every writer check its disk. :func:`plan_from_record` is a
+items go to ranks by longest processing time first, exact blends are cut into one range per rank.
+Before that agreement every writer checks its disk (:func:`check_cache_space`). :func:`plan_from_record` is a
 warm start's: the kept plan, every item present.
 """
 
 from __future__ import annotations
 
-from tokenloom.builder.collective import agree, failure_from
+from tokenloom.builder.collective import Failure, agree, failure_from
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.items import BuildPlan, assign_work, resolve_items
 from tokenloom.builder.starts import StartRecord
@@ -47,32 +47,30 @@ def make_plan(ctx: BuildContext) -> Planned:
             mine = {item.key for item in items if ctx.cache.has(item.key, refresh=False)}
         except Exception as exc:  # pragma: no cover - a broken filesystem
             failure = failure_from(exc, rank=ctx.rank, phase="plan", item="cache lookup")
+        if mine is not None and not ctx.dry_run:
+            failure = failure or check_cache_space(ctx, [item for item in items if item.key not in mine])
     gathered = agree(ctx.group, failure, phase="plan", payload=mine)
     present = {writer: gathered[writer] for writer in writers}
     everywhere_missing = [item for item in items if not any(item.key in keys for keys in present.values())]
     plan = assign_work(ctx.config, items, splits, ctx.world, everywhere_missing,
                        writers=tuple(sorted(writers)))
     ctx.writer_of = nodes
-    if not ctx.dry_run:
-        check_cache_space(ctx, items, present, writers)
     return plan, nodes, present
 
 
-def check_cache_space(ctx: BuildContext, items, present, writers) -> None:
-    """Every writer checks that its cache's filesystem holds what it will receive (the plan's
-    estimate), so that a build too big for its disk fails on every rank before it writes."""
-    failure = None
-    if ctx.rank in writers:
-        missing = [item for item in items if item.key not in present[ctx.rank]]
-        needed = sum(item.output_bytes for item in missing)
-        ctx.cache.expected_bytes = needed
-        try:
-            if needed:
-                check_space(ctx.cache.root, needed, f"the build ({len(missing)} items to write; "
-                            "`tokenloom build --dry-run` prints this estimate)")
-        except Exception as exc:
-            failure = failure_from(exc, rank=ctx.rank, phase="plan", item=None)
-    agree(ctx.group, failure, phase="plan")
+def check_cache_space(ctx: BuildContext, missing) -> Failure | None:
+    """A writer's check that its cache's filesystem holds the ``missing`` items it will receive
+    (the plan's estimate), as this rank's failure or None. It rides on the plan's agreement, so a
+    build too big for its disk fails on every rank before it writes, at no extra collective."""
+    needed = sum(item.output_bytes for item in missing)
+    ctx.cache.expected_bytes = needed
+    try:
+        if needed:
+            check_space(ctx.cache.root, needed, f"the build ({len(missing)} items to write; "
+                        "`tokenloom build --dry-run` prints this estimate)")
+    except Exception as exc:
+        return failure_from(exc, rank=ctx.rank, phase="plan", item=None)
+    return None
 
 
 __all__ = ["Planned", "check_cache_space", "make_plan", "plan_from_record"]
