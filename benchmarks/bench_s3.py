@@ -92,7 +92,7 @@ def serve(split, args) -> float:
 
 
 def bench_serving(args, local_split, remote_config) -> list[dict]:
-    import tokenloom.builder as tb
+    import tokenloom
     from tokenloom.io import remote, s3
 
     rows = []
@@ -102,7 +102,7 @@ def bench_serving(args, local_split, remote_config) -> list[dict]:
                  "ratio": 1.0, "fetched_per_token": None, "gets_per_batch": None, "hit_rate": None})
     for block_kib in args.block_kib:
         os.environ["TOKENLOOM_S3_BLOCK_KIB"] = str(block_kib)
-        split = tb.build(remote_config).split("train")
+        split = tokenloom.build(remote_config).split("train")
         best, stats = float("inf"), None
         for _ in range(args.repeat):
             remote.block_cache().clear()
@@ -139,7 +139,7 @@ def bench_latency(args, remote_config, endpoint: str) -> list[dict]:
     """The same serving through a proxy (its own process) that holds every object GET for
     ``--latency-ms`` before answering, as S3's first-byte latency does: GETs in flight together
     (the default) against one at a time (``TOKENLOOM_S3_CONCURRENCY=1``)."""
-    import tokenloom.builder as tb
+    import tokenloom
     from tokenloom.io import remote
 
     helpers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "io")
@@ -153,7 +153,7 @@ def bench_latency(args, remote_config, endpoint: str) -> list[dict]:
         tokens = args.steps * args.micro_batch * args.seq_length
         for concurrency in (16, 1):
             os.environ["TOKENLOOM_S3_CONCURRENCY"] = str(concurrency)
-            split = tb.build(remote_config).split("train")
+            split = tokenloom.build(remote_config).split("train")
             remote.block_cache().clear()
             seconds = serve(split, args)
             rows.append({"latency_ms": args.latency_ms, "concurrency": concurrency, "seconds_per_batch":
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
 
-    import tokenloom.builder as tb
+    import tokenloom
 
     work = tempfile.mkdtemp(prefix="tl_s3_bench_")
     port = free_port()
@@ -253,7 +253,7 @@ def main() -> None:
                     "seq_length": args.seq_length, "train_samples": 20000, "valid_samples": 0, "test_samples": 0,
                     "seed": 1234, "cache_dir": os.path.join(work, cache)}
 
-        local_split = tb.build(config(prefixes, "cache-local")).split("train")
+        local_split = tokenloom.build(config(prefixes, "cache-local")).split("train")
         serving = bench_serving(args, local_split, config(urls, "cache-s3"))
         latency = bench_latency(args, config(urls, "cache-s3"), f"http://127.0.0.1:{port}")
         big = write_store(os.path.join(work, "big"), int(args.sequential_tokens / mean_length), mean_length, seed=99)

@@ -91,8 +91,8 @@ def megatron_dataset(prefixes, weights, num_samples, seq_length, seed, cache, re
 
 
 def bench_throughput(args, prefixes, directory) -> list[dict]:
-    from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, StoreBlendSource
-    from tokenloom.source import StatelessBlendSource
+    from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions
+    from tokenloom.source import StatelessBlendSource, StoreBlendSource
 
     weights = [0.5, 0.3, 0.2][: len(prefixes)]
     n, seq = args.samples, args.seq_length
@@ -143,7 +143,9 @@ def bench_throughput(args, prefixes, directory) -> list[dict]:
 
 def bench_boundaries(args, prefixes, directory) -> list[dict]:
     """Table 4: the cost of the boundary fields, per micro-batch, and megatron-core's loop with them."""
-    from tokenloom.serve import BatchGeometry, BatchPipeline, RankLoader, SampleOptions, SampleStream, StoreBlendSource
+    from tokenloom.serve import BatchGeometry, BatchPipeline, RankLoader, SampleOptions
+    from tokenloom.serve.stream import SampleStream
+    from tokenloom.source import StoreBlendSource
 
     weights = [0.5, 0.3, 0.2][: len(prefixes)]
     n, micro = args.samples, args.micro_batch
@@ -215,8 +217,8 @@ def _memory() -> dict:
 
 def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None:
     """Run in a fresh process: build one split in memory, serve 100 micro-batches, print memory."""
-    from tokenloom.serve import BatchGeometry, RankLoader, StoreBlendSource
-    from tokenloom.source import StatelessBlendSource
+    from tokenloom.serve import BatchGeometry, RankLoader
+    from tokenloom.source import StatelessBlendSource, StoreBlendSource
 
     num_samples = 100 * micro_batch
     start = time.perf_counter()
@@ -227,14 +229,15 @@ def rss_child(kind: str, prefix: str, seq_length: int, micro_batch: int) -> None
             dataset[i]
     else:
         if kind == "exact-build":  # the exact indices of a tokenloom build, memory-mapped from its cache
+            import tokenloom
             import tokenloom.builder as tb
-            from tokenloom.index import BlendSpec
+            from tokenloom.index.blend_spec import BlendSpec
 
             config = tb.BuildConfig(seq_length=seq_length, blend=BlendSpec(prefixes=(prefix,), weights=(1.0,)),
                                     split="1,0,0",
                                     train_samples=num_samples, valid_samples=0, test_samples=0, seed=1,
                                     cache_dir=prefix + ".cache")
-            source = tb.build(config).split("train")
+            source = tokenloom.build(config).split("train")
         else:
             cls = StoreBlendSource if kind == "exact" else StatelessBlendSource
             source = cls.from_prefixes([prefix], [1.0], num_samples=num_samples, seq_length=seq_length, seed=1)
@@ -295,8 +298,9 @@ def _consume(iterator, rate, warmup: int) -> tuple[float, float]:
 
 
 def bench_loader(args, prefixes) -> list[dict]:
-    from tokenloom.serve import BatchGeometry, SampleOptions, StoreBlendSource, Topology
+    from tokenloom.serve import BatchGeometry, SampleOptions, Topology
     from tokenloom.serve.torch_adapter import DistributedBatches, build_dataloader
+    from tokenloom.source import StoreBlendSource
 
     seq, micro, accumulation = args.seq_length, args.micro_batch, args.accumulation
     warmup_steps = 2 + args.workers * 4

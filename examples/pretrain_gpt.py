@@ -60,7 +60,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import tokenloom
-from tokenloom.errors import ConfigError
+from tokenloom import ConfigError
 from tokenloom.io import IndexedDataset
 from tokenloom.serve import BatchGeometry, SampleOptions, Topology, batch_fingerprint
 from tokenloom.serve.torch_adapter import DistributedBatches

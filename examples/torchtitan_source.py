@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 import tokenloom
-from tokenloom.errors import ConfigError
+from tokenloom import ConfigError
 from tokenloom.serve import BatchGeometry, SampleOptions
 from tokenloom.serve.torch_adapter import PackedBatch, ServeDataset, StatefulBatchSampler
 

@@ -53,7 +53,7 @@ def _write_store(prefix: str, num_documents: int, seed: int) -> None:
 BUILD_AND_SERVE = r"""
 import json, os, sys
 from numba.core import event
-import tokenloom.builder as tb
+import tokenloom
 import tokenloom.serve as ts
 from tokenloom.index import kernels
 
@@ -61,9 +61,9 @@ stores, work = sys.argv[1], sys.argv[2]
 blend = {"prefixes": [os.path.join(stores, "big"), os.path.join(stores, "small")], "weights": [0.8, 0.2]}
 with event.install_recorder("numba:compile") as compiles:
     for mode in ("exact", "stateless"):
-        result = tb.build({"blend": blend, "split": "969,30,1", "seq_length": 64, "train_samples": 60000,
-                           "valid_samples": 2000, "test_samples": 100, "seed": 7, "mode": mode,
-                           "cache_dir": os.path.join(work, mode)})
+        result = tokenloom.build({"blend": blend, "split": "969,30,1", "seq_length": 64, "train_samples": 60000,
+                                  "valid_samples": 2000, "test_samples": 100, "seed": 7, "mode": mode,
+                                  "cache_dir": os.path.join(work, mode)})
         geometry = ts.BatchGeometry(global_batch_size=8, micro_batch_size=8, dp=1)
         ts.RankLoader(result.split("train"), geometry).next_batch()
 print(json.dumps({

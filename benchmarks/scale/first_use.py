@@ -99,11 +99,12 @@ def child_build(config_path: str, work: str, mode: str) -> dict:
 
 def child_serve(config_path: str, cache: str, mode: str, micro_batch: int) -> dict:
     started = time.perf_counter()
+    import tokenloom
     import tokenloom.builder as tb
     import tokenloom.serve as ts
 
     imported = time.perf_counter()
-    split = tb.build(tb.load_build_config(config_path, cache_dir=cache, mode=mode)).split("train")
+    split = tokenloom.build(tb.load_build_config(config_path, cache_dir=cache, mode=mode)).split("train")
     opened = time.perf_counter()
     geometry = ts.BatchGeometry(global_batch_size=micro_batch, micro_batch_size=micro_batch, dp=1)
     seconds, cpu = [], []

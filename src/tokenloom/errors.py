@@ -33,7 +33,8 @@ class InputError(TokenloomError, ValueError):
 
 
 class StorageError(TokenloomError, RuntimeError):
-    """Object storage refused a request (403), or kept failing after every retry."""
+    """Storage failed: a disk filled up, or object storage refused a request (403) or kept failing
+    after every retry."""
 
 
 class BuildError(TokenloomError, RuntimeError):

@@ -142,4 +142,4 @@ def plot_memory(plan, path: str, *, top: int = 5, model_name: str | None = None,
         plt.close(fig)
 
 
-__all__ = ["DPI", "MIXTURE_SIZE", "plot_memory", "plot_mixture"]
+__all__ = ["plot_memory", "plot_mixture"]

@@ -27,7 +27,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    import tokenloom.builder as tb
+    from tokenloom.builder.runner import build as build_with_hooks
     from tokenloom.errors import BuildError
 
     results = {"rank": rank, "steps": []}
@@ -50,7 +50,7 @@ def main() -> None:
             started = time.monotonic()
             outcome = {"seconds": None}
             try:
-                result = tb.build(config, dry_run=step.get("dry_run", False), _before_item=before_item)
+                result = build_with_hooks(config, dry_run=step.get("dry_run", False), _before_item=before_item)
                 outcome.update(ok=True, built=sorted(result.built_keys),
                                num_samples={n: s.num_samples for n, s in result.splits.items()},
                                build_key=result.build_key, warm_start=result.warm_start,

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+import tokenloom
 import tokenloom.builder as tb
 from build_fixtures import blend_config, cache_files, make_stores
 from tokenloom.cli import main as cli_main
@@ -58,7 +59,7 @@ def stores(tmp_path_factory):
 def test_one_epoch_of_each_split_holds_every_document_once(stores, tmp_path, monkeypatch):
     # small chunks: each split is packed as several chunks, by several items
     monkeypatch.setattr(best_fit_index, "CHUNK_TARGET_DOCUMENTS", 100)
-    result = tb.build(_single(stores[0], tmp_path / "cache", best_fit_window=64))
+    result = tokenloom.build(_single(stores[0], tmp_path / "cache", best_fit_window=64))
     chunks = [item for item in result.plan.items if item.kind == "pack"]
     assert len(chunks) >= 6
     store = IndexedDataset(stores[0])
@@ -79,9 +80,9 @@ def test_one_epoch_of_each_split_holds_every_document_once(stores, tmp_path, mon
 
 
 def test_more_samples_than_an_epoch_serve_whole_epochs_then_a_subset(stores, tmp_path):
-    one = tb.build(_single(stores[1], tmp_path / "cache")).split("train")
+    one = tokenloom.build(_single(stores[1], tmp_path / "cache")).split("train")
     per_epoch = one.num_samples
-    many = tb.build(_single(stores[1], tmp_path / "cache", train_samples=2 * per_epoch + 5)).split("train")
+    many = tokenloom.build(_single(stores[1], tmp_path / "cache", train_samples=2 * per_epoch + 5)).split("train")
     assert many.num_samples == 2 * per_epoch + 5
     _, first = many.locate(np.arange(per_epoch))
     _, second = many.locate(np.arange(per_epoch, 2 * per_epoch))
@@ -91,7 +92,7 @@ def test_more_samples_than_an_epoch_serve_whole_epochs_then_a_subset(stores, tmp
 
 
 def test_padding_stays_out_of_the_loss_and_the_boundaries_are_the_documents(stores, tmp_path):
-    source = tb.build(_single(stores[2], tmp_path / "cache")).split("train")
+    source = tokenloom.build(_single(stores[2], tmp_path / "cache")).split("train")
     positions = np.arange(min(64, source.num_samples))
     dataset_ids, sample_ids = source.locate(positions)
     rows = source.read_samples(dataset_ids, sample_ids)
@@ -113,7 +114,7 @@ def test_padding_stays_out_of_the_loss_and_the_boundaries_are_the_documents(stor
 @pytest.mark.parametrize("mode", ["exact", "stateless"])
 def test_blends_in_either_mode_serve_packed_datasets(stores, tmp_path, mode):
     config = blend_config(stores, tmp_path / "cache", packing="best_fit", mode=mode, megatron_tokenizer=None)
-    result = tb.build(config)
+    result = tokenloom.build(config)
     for name, wanted in (("train", 3000), ("valid", 200), ("test", 60)):
         source = result.split(name)
         assert source.num_samples >= wanted
@@ -125,21 +126,21 @@ def test_blends_in_either_mode_serve_packed_datasets(stores, tmp_path, mode):
         assert np.allclose(counts, np.array([3.0, 5.0, 2.0]) / 10, atol=0.02)
     assert {item.kind for item in result.plan.items} == {"pack", "gpt", "blend"}
     assert all(item.megatron is None for item in result.plan.items)
-    again = tb.build(config)
+    again = tokenloom.build(config)
     assert not again.built_keys and again.build_key == result.build_key
     # more samples asked for: the blend and the datasets change, the packed chunks do not
-    more = tb.build({**config, "train_samples": 4000})
+    more = tokenloom.build({**config, "train_samples": 4000})
     assert {item.kind for item in more.plan.items if item.key in more.built_keys} == {"gpt", "blend"}
     assert tb.verify_cache(str(tmp_path / "cache")).ok
 
 
 def test_two_caches_hold_the_same_bytes_and_the_seed_changes_them(stores, tmp_path):
     config = blend_config(stores, tmp_path / "a", packing="best_fit", megatron_tokenizer=None)
-    first = tb.build(config)
-    second = tb.build({**config, "cache_dir": str(tmp_path / "b")})
+    first = tokenloom.build(config)
+    second = tokenloom.build({**config, "cache_dir": str(tmp_path / "b")})
     assert first.build_key == second.build_key
     assert cache_files(tmp_path / "a") == cache_files(tmp_path / "b")
-    other = tb.build({**config, "cache_dir": str(tmp_path / "b"), "seed": 99})
+    other = tokenloom.build({**config, "cache_dir": str(tmp_path / "b"), "seed": 99})
     assert other.build_key != first.build_key
     assert not np.array_equal(other.split("train")[0], first.split("train")[0])
 
@@ -151,7 +152,7 @@ def test_every_document_longer_than_a_sample_still_builds_and_says_its_padding(t
         writer.add_documents(np.arange(int(lengths.sum())).astype(np.uint16) % 1000, lengths)
         writer.finalize()
     config = _single(prefix, tmp_path / "cache", split="100,0,0", seq_length=63)
-    result = tb.build(config)
+    result = tokenloom.build(config)
     report = result.packing_report()["train"]
     assert report.cut_documents == int((lengths > 64).sum())
     # 8 full pieces per five documents, and remainders of 36, 2, 0, 8 and 33 tokens packed best fit
@@ -168,16 +169,16 @@ def test_every_document_longer_than_a_sample_still_builds_and_says_its_padding(t
 
 
 def test_a_dry_run_packs_to_count_but_writes_nothing(stores, tmp_path):
-    plan = tb.build(_single(stores[0], tmp_path / "cache"), dry_run=True)
+    plan = tokenloom.build(_single(stores[0], tmp_path / "cache"), dry_run=True)
     assert any(item.kind == "pack" for item in plan.items)
     assert not (tmp_path / "cache" / "packs").exists() or not list((tmp_path / "cache" / "packs").iterdir())
-    result = tb.build(_single(stores[0], tmp_path / "cache"))
+    result = tokenloom.build(_single(stores[0], tmp_path / "cache"))
     assert [s.num_samples for s in plan.splits] == [result.split(s.name).num_samples for s in plan.splits]
 
 
 def test_resume_on_another_layout_serves_the_same_batches(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache", packing="best_fit", megatron_tokenizer=None)
-    source = tb.build(config).split("train")
+    source = tokenloom.build(config).split("train")
     options = SampleOptions(inter_document_masking=True)
 
     def loaders(dp):
@@ -208,14 +209,14 @@ def test_resume_on_another_layout_serves_the_same_batches(stores, tmp_path):
 def test_configs_that_cannot_mean_anything_are_refused(stores, tmp_path):
     base = _single(stores[0], tmp_path / "cache")
     with pytest.raises(ConfigError, match="megatron-core has no best-fit index"):
-        tb.build({**base, "megatron_cache_dir": str(tmp_path / "m")})
+        tokenloom.build({**base, "megatron_cache_dir": str(tmp_path / "m")})
     with pytest.raises(ConfigError, match="expected at least 64"):
-        tb.build({**base, "best_fit_window": 63})
+        tokenloom.build({**base, "best_fit_window": 63})
     with pytest.raises(ConfigError, match="only applies to packing: best_fit"):
-        tb.build({**base, "packing": "concat", "best_fit_window": 1000})
+        tokenloom.build({**base, "packing": "concat", "best_fit_window": 1000})
     with pytest.raises(ConfigError, match="packing='nope'; expected one of"):
-        tb.build({**base, "packing": "nope"})
+        tokenloom.build({**base, "packing": "nope"})
     with pytest.raises(ConfigError, match="no partial sample"):
-        tb.build({**base, "drop_last_partial_validation_sequence": False})
+        tokenloom.build({**base, "drop_last_partial_validation_sequence": False})
     with pytest.raises(ConfigError, match="epoch budgets with packing='best_fit'"):
-        tb.build({**base, "blend": {"prefixes": [stores[0]], "epochs": [1.5]}})
+        tokenloom.build({**base, "blend": {"prefixes": [stores[0]], "epochs": [1.5]}})

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tokenloom
 import tokenloom.builder as tb
 from build_fixtures import blend_config, cache_files, make_stores, write_store
 from tokenloom.builder.cache import Cache, write_npy
 from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
+from tokenloom.builder.runner import build as build_with_hooks
 from tokenloom.builder.stores import fingerprint_store
 from tokenloom.errors import BuildError, ConfigError, FormatError
 from tokenloom.index.megatron_gpt import build_megatron_gpt_indices
@@ -32,7 +34,7 @@ def stores(tmp_path):
 
 def test_build_matches_the_index_kernels_and_reuses_its_cache(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache", blend=stores[:1], train_samples=500)
-    first = tb.build(config)
+    first = tokenloom.build(config)
     train = first.split("train")
     store = train.readers[0].store
     doc_range = split_document_ranges("90,8,2", store.num_sequences).train
@@ -44,7 +46,7 @@ def test_build_matches_the_index_kernels_and_reuses_its_cache(stores, tmp_path):
         assert getattr(got, name).dtype == getattr(expected, name).dtype
         assert isinstance(getattr(got, name), np.memmap)  # opened by mmap, not loaded
     assert train.num_samples == expected.num_samples >= 500  # megatron-core: whole epochs
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert second.built_keys == frozenset() and first.built_keys
     assert second.build_key == first.build_key
     assert np.array_equal(second.split("valid")[3], first.split("valid")[3])
@@ -55,15 +57,15 @@ def test_blend_threads_change_nothing_in_the_cache(stores, tmp_path, monkeypatch
     import importlib
 
     monkeypatch.setattr(importlib.import_module("tokenloom.index.megatron_blend"), "_MIN_CHUNK", 64)
-    one = tb.build(blend_config(stores, tmp_path / "one", blend_threads=1))
-    three = tb.build(blend_config(stores, tmp_path / "three", blend_threads=3))
+    one = tokenloom.build(blend_config(stores, tmp_path / "one", blend_threads=1))
+    three = tokenloom.build(blend_config(stores, tmp_path / "three", blend_threads=3))
     assert one.build_key == three.build_key  # blend_threads is not a parameter of the arrays
     blends = [item.key for item in three.plan.items if item.kind == "blend"]
     assert [one.cache.read_record(key)["threads"] for key in blends] == [1] * len(blends)
     assert [three.cache.read_record(key)["threads"] for key in blends] == [3] * len(blends)
     assert cache_files(tmp_path / "one") == cache_files(tmp_path / "three")
     with pytest.raises(ConfigError, match="blend_threads"):
-        tb.build(blend_config(stores, tmp_path / "bad", blend_threads=-1))
+        tokenloom.build(blend_config(stores, tmp_path / "bad", blend_threads=-1))
 
 
 def test_npy_files_are_what_numpy_save_writes(tmp_path):
@@ -79,16 +81,16 @@ def test_npy_files_are_what_numpy_save_writes(tmp_path):
 
 def test_a_changed_store_invalidates_only_its_items(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache")
-    before = tb.build(config)
+    before = tokenloom.build(config)
     old = before.split("train").readers[1].key
     write_store(stores[1], 400 + 97, seed=99)  # same name and size class, other lengths
-    after = tb.build(config)
+    after = tokenloom.build(config)
     rebuilt = after.built_keys
     assert old not in {d.key for d in after.split("train").readers}
     untouched = {d.key for n in ("train", "valid", "test") for d in after.split(n).readers
                  if d.prefix != stores[1]}
     assert not untouched & rebuilt  # other stores' items were reused
-    fresh = tb.build(blend_config(stores, tmp_path / "fresh"))
+    fresh = tokenloom.build(blend_config(stores, tmp_path / "fresh"))
     assert cache_files(tmp_path / "fresh").items() <= cache_files(tmp_path / "cache").items()
     assert np.array_equal(after.split("train")[5], fresh.split("train")[5])
 
@@ -104,8 +106,8 @@ def test_touching_a_store_changes_its_fingerprint(stores):
 
 
 def test_add_extra_token_changes_tokenloom_keys_but_not_megatron_names(stores, tmp_path):
-    base = tb.build(blend_config(stores, tmp_path / "c"), dry_run=True)
-    flipped = tb.build(blend_config(stores, tmp_path / "c", add_extra_token=False), dry_run=True)
+    base = tokenloom.build(blend_config(stores, tmp_path / "c"), dry_run=True)
+    flipped = tokenloom.build(blend_config(stores, tmp_path / "c", add_extra_token=False), dry_run=True)
     gpt = lambda plan: {i.megatron.md5: i.key for i in plan.items if i.kind == "gpt"}  # noqa: E731
     base_names, flipped_names = gpt(base), gpt(flipped)
     # megatron-core names both builds' files alike: its cache would serve stale arrays
@@ -115,11 +117,11 @@ def test_add_extra_token_changes_tokenloom_keys_but_not_megatron_names(stores, t
 
 def test_dry_run_writes_nothing_and_reports_the_plan(stores, tmp_path):
     seen = {}
-    plan = tb.build(blend_config(stores, tmp_path / "cache"), dry_run=True,
-                    on_plan=lambda p, done: seen.update(plan=p, done=done))
+    plan = tokenloom.build(blend_config(stores, tmp_path / "cache"), dry_run=True,
+                           on_plan=lambda p, done: seen.update(plan=p, done=done))
     assert not os.path.exists(tmp_path / "cache" / "items")
     assert seen["plan"] is plan and seen["done"] == frozenset()
-    text = tb.format_plan(plan)
+    text = plan.describe()
     assert "12 items (9 dataset indices, 3 blends)" in text
     assert "cache size" in text and "slowest rank" in text
 
@@ -128,7 +130,7 @@ def test_verify_names_a_changed_array_and_a_truncated_pack(stores, tmp_path):
     from tokenloom.builder.cache import Cache
 
     cache_dir = tmp_path / "cache"
-    result = tb.build(blend_config(stores, cache_dir))
+    result = tokenloom.build(blend_config(stores, cache_dir))
     assert tb.verify_cache(str(cache_dir)).ok
     cache = Cache(str(cache_dir))
     key = result.split("train").readers[0].key
@@ -148,7 +150,7 @@ def test_verify_names_a_changed_array_and_a_truncated_pack(stores, tmp_path):
 
 
 def test_manifest_records_versions_keys_files_and_timings(stores, tmp_path):
-    result = tb.build(blend_config(stores, tmp_path / "cache"))
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache"))
     manifest = json.loads(open(result.manifest_path).read())
     assert manifest["build_key"] == result.build_key
     assert {"tokenloom_version", "numpy_version", "stores", "items", "timings_rank0"} <= set(manifest)
@@ -171,14 +173,14 @@ def test_an_item_failure_is_a_build_error_naming_the_item(stores, tmp_path):
 
     # one process: the cause, then what was being built; no rank or phase
     with pytest.raises(BuildError, match=r"^OSError: disk full \(while building blend valid [^\[]*\)$"):
-        tb.build(blend_config(stores, tmp_path / "cache"), _before_item=fail_blend)
-    rerun = tb.build(blend_config(stores, tmp_path / "cache"))
+        build_with_hooks(blend_config(stores, tmp_path / "cache"), _before_item=fail_blend)
+    rerun = tokenloom.build(blend_config(stores, tmp_path / "cache"))
     assert len(rerun.built_keys) < len(rerun.plan.items)
 
 
 def test_a_missing_store_is_named(tmp_path, stores):
     with pytest.raises(BuildError, match=r"store .*nope"):
-        tb.build(blend_config([stores[0], str(tmp_path / "nope")], tmp_path / "cache"))
+        tokenloom.build(blend_config([stores[0], str(tmp_path / "nope")], tmp_path / "cache"))
 
 
 def test_oversampling_raises_like_megatron():
@@ -194,8 +196,10 @@ def test_oversampling_raises_like_megatron():
 _CONCURRENT = """
 import sys, json
 sys.path.insert(0, {src!r})
+import tokenloom
 import tokenloom.builder as tb
-result = tb.build(json.loads({config!r}))
+from tokenloom.builder.runner import build as build_with_hooks
+result = tokenloom.build(json.loads({config!r}))
 print(json.dumps(sorted(result.built_keys)))
 """
 
@@ -203,7 +207,7 @@ print(json.dumps(sorted(result.built_keys)))
 @pytest.mark.timeout(300)
 def test_two_concurrent_builders_share_one_cache_correctly(stores, tmp_path):
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    tb.build(blend_config(stores, tmp_path / "alone", train_samples=20000))
+    tokenloom.build(blend_config(stores, tmp_path / "alone", train_samples=20000))
     shared_once = False
     for attempt in range(3):
         config = blend_config(stores, tmp_path / f"cache{attempt}", train_samples=20000, rng_workers=0)
@@ -213,7 +217,7 @@ def test_two_concurrent_builders_share_one_cache_correctly(stores, tmp_path):
         outputs = [p.communicate(timeout=110) for p in procs]
         assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outputs]
         built = [set(json.loads(o[0].decode().strip().splitlines()[-1])) for o in outputs]
-        total = len(tb.build(config, dry_run=True).items)
+        total = len(tokenloom.build(config, dry_run=True).items)
         # Every item was built, whatever the timing, and the cache holds exactly the files a lone
         # build writes. Mostly one job builds an item and the other waits on its lock and reuses
         # it; but record locks belong to processes, so where one job's build thread waits on the
@@ -243,7 +247,7 @@ def test_the_plan_made_from_token_counts_is_the_one_the_store_gives(stores, tmp_
                           valid_samples=valid, add_extra_token=extra,
                           drop_last_partial_validation_sequence=not keep_partial)
     try:
-        plan = tb.build(config, dry_run=True)
+        plan = tokenloom.build(config, dry_run=True)
     except ConfigError:
         return  # more samples than a split can give: refused when planning
     for item in plan.items:
@@ -427,7 +431,7 @@ def test_stateless_mode_serves_the_stateless_index_and_exact_counts(stores, tmp_
     from tokenloom.index.blend import largest_remainder_counts
     from tokenloom.index.stateless import build_stateless_gpt_index
 
-    result = tb.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
     train = result.split("train")
     assert train.num_samples == 3000  # exactly the samples asked for, no surplus
     dataset_ids, sample_ids = train.locate(np.arange(train.num_samples))
@@ -442,7 +446,7 @@ def test_stateless_mode_serves_the_stateless_index_and_exact_counts(stores, tmp_
         got = train.read_samples(np.full(len(picks), d), picks)
         for row, sample in zip(got, picks):
             assert np.array_equal(row, direct.read(store, int(sample)))
-    exact = tb.build(blend_config(stores, tmp_path / "exact"))
+    exact = tokenloom.build(blend_config(stores, tmp_path / "exact"))
     stateless_bytes = sum(len(v) for v in cache_files(tmp_path / "cache").values())
     exact_bytes = sum(len(v) for v in cache_files(tmp_path / "exact").values())
     assert stateless_bytes * 4 < exact_bytes
@@ -460,7 +464,7 @@ def test_build_is_a_function_of_the_package(stores, tmp_path):
 def test_background_shuffle_draws_equal_inline_draws(stores, tmp_path):
     from tokenloom.builder.exact import ShuffleDrawer, build_gpt_arrays
 
-    plan = tb.build(blend_config(stores, tmp_path / "cache"), dry_run=True)
+    plan = tokenloom.build(blend_config(stores, tmp_path / "cache"), dry_run=True)
     jobs = [(item.prefix, dict(item.params)) for item in plan.items if item.kind == "gpt"][:4]
     drawer = ShuffleDrawer(jobs, workers=1)  # a separate process, two items ahead
     try:
@@ -475,7 +479,7 @@ def test_background_shuffle_draws_equal_inline_draws(stores, tmp_path):
 
 
 def test_verify_names_the_damaged_block_of_a_divided_blend(stores, tmp_path):
-    result = tb.build(blend_config(stores, tmp_path / "cache", blend_block_samples=64))
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache", blend_block_samples=64))
     blend = next(item for item in result.plan.items if item.kind == "blend" and item.split == "train")
     cache = Cache(str(tmp_path / "cache"))
     record = cache.read_record(blend.key)
@@ -504,7 +508,7 @@ def test_a_pack_index_is_read_only_when_one_of_its_records_is_asked_for(stores, 
     # cache's metadata) is parsed on the first read of one of them: a damaged index of a pack
     # not read does not stop the others, and the one read names its file
     cache_dir = tmp_path / "cache"
-    result = tb.build(blend_config(stores, cache_dir))
+    result = tokenloom.build(blend_config(stores, cache_dir))
     blend_key = next(item.key for item in result.plan.items if item.kind == "blend" and item.split == "train")
     dataset_key = result.split("train").readers[0].key
     dataset_pack = _pack_of(cache_dir, dataset_key)
@@ -525,12 +529,12 @@ def test_a_pack_index_is_read_only_when_one_of_its_records_is_asked_for(stores, 
 def test_packs_without_key_lists_are_read_whole(stores, tmp_path):
     # caches written before key lists existed: their indexes are parsed when the pack is found
     cache_dir = tmp_path / "cache"
-    first = tb.build(blend_config(stores, cache_dir))
+    first = tokenloom.build(blend_config(stores, cache_dir))
     for name in os.listdir(cache_dir / "packs"):
         if name.endswith(".keys"):
             os.remove(cache_dir / "packs" / name)
     assert sorted(Cache(str(cache_dir)).item_keys()) == sorted(item.key for item in first.plan.items)
-    again = tb.build(blend_config(stores, cache_dir))
+    again = tokenloom.build(blend_config(stores, cache_dir))
     assert again.built_keys == frozenset() and again.build_key == first.build_key
     assert np.array_equal(again.split("train")[7], first.split("train")[7])
     assert tb.verify_cache(str(cache_dir)).ok
@@ -538,7 +542,7 @@ def test_packs_without_key_lists_are_read_whole(stores, tmp_path):
 
 def test_a_key_list_that_disagrees_with_its_index_is_named(stores, tmp_path):
     cache_dir = tmp_path / "cache"
-    result = tb.build(blend_config(stores, cache_dir))
+    result = tokenloom.build(blend_config(stores, cache_dir))
     key = result.split("train").readers[0].key
     index = _pack_of(cache_dir, key)
     keys_path = index[: -len(".json")] + ".keys"
@@ -555,7 +559,7 @@ def test_a_key_list_that_disagrees_with_its_index_is_named(stores, tmp_path):
 
 
 def test_streamed_records_are_the_copies_readers_take(stores, tmp_path):
-    result = tb.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache", mode="stateless"))
     keys = [item.key for item in result.plan.items]
     half = Cache(str(tmp_path / "cache"))
     half.read_record(keys[0])  # one pack parsed already, the others known by their key lists

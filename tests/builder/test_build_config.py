@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenloom.builder import BuildConfig, load_build_config
 from tokenloom.builder.config import build_config_from_dict
 from tokenloom.errors import ConfigError
-from tokenloom.index import BlendSpec
+from tokenloom.index.blend_spec import BlendSpec
 from tokenloom.source.keys import canonical_json, hash_key
 
 

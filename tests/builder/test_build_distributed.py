@@ -10,6 +10,7 @@ from build_fixtures import blend_config, cache_files, launch, make_stores
 
 pytest.importorskip("torch.distributed")
 
+import tokenloom
 import tokenloom.builder as tb
 
 WORLD = 3
@@ -60,7 +61,7 @@ def test_n_ranks_write_the_bytes_one_process_writes(scenario, tmp_path):
     assert all(o["ok"] for o in outcomes), outcomes
     assert len({o["build_key"] for o in outcomes}) == 1
     assert len({tuple(o["first"]) for o in outcomes}) == 1
-    single = tb.build(blend_config(prefixes, tmp_path / "single"))
+    single = tokenloom.build(blend_config(prefixes, tmp_path / "single"))
     expected = cache_files(tmp_path / "single")
     got = cache_files(root / "shared")
     assert set(expected) <= set(got)
@@ -103,7 +104,7 @@ def test_without_a_shared_filesystem_every_rank_gets_every_file(scenario, tmp_pa
     root, prefixes, results = scenario
     outcomes = _step(results, 3)
     assert all(o["ok"] for o in outcomes), outcomes
-    tb.build(blend_config(prefixes, tmp_path / "single"))
+    tokenloom.build(blend_config(prefixes, tmp_path / "single"))
     expected = cache_files(tmp_path / "single")
     for rank in range(WORLD):
         local = root / f"local{rank}"
@@ -116,7 +117,7 @@ def test_stateless_mode_on_n_ranks_matches_one_process(scenario, tmp_path):
     root, prefixes, results = scenario
     outcomes = _step(results, 4)
     assert all(o["ok"] for o in outcomes), outcomes
-    single = tb.build(blend_config(prefixes, tmp_path / "single", mode="stateless"))
+    single = tokenloom.build(blend_config(prefixes, tmp_path / "single", mode="stateless"))
     assert outcomes[0]["build_key"] == single.build_key
     assert [int(v) for v in single.split("train")[0][:8]] == outcomes[0]["first"]
     expected = cache_files(tmp_path / "single")
@@ -132,7 +133,7 @@ def test_best_fit_packing_on_n_ranks_matches_one_process(scenario, tmp_path):
         assert all(o["ok"] for o in outcomes), outcomes
         config = blend_config(prefixes, tmp_path / f"single{step}", packing="best_fit", megatron_tokenizer=None,
                               **changes)
-        single = tb.build(config)
+        single = tokenloom.build(config)
         assert {o["build_key"] for o in outcomes} == {single.build_key}
         assert [int(v) for v in single.split("train")[0][:8]] == outcomes[0]["first"]
         expected = cache_files(tmp_path / f"single{step}")
@@ -160,7 +161,7 @@ def test_a_killed_rank_makes_the_others_fail_with_a_clear_error(scenario):
         assert "killed or hung" in outcome["error"]
         assert outcome["seconds"] < 20.0 + 15.0
     # rerunning alone reuses what the survivors finished before the failure
-    rerun = tb.build(blend_config(prefixes, root / "killed", seed=9))
+    rerun = tokenloom.build(blend_config(prefixes, root / "killed", seed=9))
     assert 0 < len(rerun.built_keys) < len(rerun.plan.items)
 
 
@@ -172,7 +173,7 @@ def test_megatron_core_loads_the_multi_rank_cache(scenario):
     from megatron_fixtures import megatron_build_without_building
 
     datasets = megatron_build_without_building(blend_config(prefixes, root / "shared"), root / "megatron")
-    train = tb.build(blend_config(prefixes, root / "shared")).split("train")
+    train = tokenloom.build(blend_config(prefixes, root / "shared")).split("train")
     assert len(datasets[0]) == train.num_samples
     for i in (0, 7, train.num_samples - 1):
         assert (datasets[0][i]["tokens"].numpy() == train[i][:-1]).all()

@@ -15,6 +15,7 @@ from build_fixtures import blend_config, cache_files, launch, make_stores, write
 
 pytest.importorskip("torch.distributed")
 
+import tokenloom
 import tokenloom.builder as tb
 from tokenloom.builder.cache import Cache
 
@@ -81,7 +82,7 @@ def _single(config, cache_dir):
     """The same config built by this one process, with the default (undivided-size) blocks."""
     config = {k: v for k, v in config.items() if k != "blend_block_samples"}
     config.update(cache_dir=str(cache_dir), shared_fs=True, megatron_cache_dir=None)
-    return tb.build(config)
+    return tokenloom.build(config)
 
 
 @pytest.mark.timeout(600)
@@ -143,7 +144,7 @@ def test_megatron_core_loads_the_divided_blends_as_cache_hits(run):
     _, root, configs, _ = run
     config = dict(configs["four"])
     datasets = megatron_build_without_building(config, root / "megatron")
-    train = tb.build(config).split("train")
+    train = tokenloom.build(config).split("train")
     assert len(datasets[0]) == train.num_samples
     for i in (0, 11, train.num_samples - 1):
         assert (datasets[0][i]["tokens"].numpy() == train[i][:-1]).all()
@@ -165,7 +166,7 @@ def test_a_failure_in_a_divided_blend_fails_every_rank_and_publishes_nothing(run
     assert not [k for k in cache.item_keys() if cache.read_record(k)["kind"] == "blend"]
     assert not os.listdir(root / "failed" / "tmp")
     # a rerun on one process finishes the blends (and whatever dataset items were left)
-    rerun = tb.build(blend_config([*configs["four"]["blend"]["prefixes"]], root / "failed", seed=7))
+    rerun = tokenloom.build(blend_config([*configs["four"]["blend"]["prefixes"]], root / "failed", seed=7))
     assert {i.key for i in rerun.plan.items if i.kind == "blend"} <= set(rerun.built_keys)
 
 

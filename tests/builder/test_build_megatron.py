@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from build_fixtures import NULL_TOKENIZER, write_store
 
 pytest.importorskip("megatron.core")
-import tokenloom.builder as tb
+import tokenloom
 from megatron_fixtures import megatron_build_without_building, megatron_datasets
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -92,8 +92,8 @@ def test_megatron_core_loads_tokenloom_caches_as_hits(stores):
     def check(config):
         work = tempfile.mkdtemp(prefix="tl-megatron-")
         try:
-            ours = tb.build(dict(config, cache_dir=os.path.join(work, "cache"),
-                                 megatron_cache_dir=os.path.join(work, "megatron")))
+            ours = tokenloom.build(dict(config, cache_dir=os.path.join(work, "cache"),
+                                        megatron_cache_dir=os.path.join(work, "megatron")))
             loaded = megatron_build_without_building(config, os.path.join(work, "megatron"))
             fresh = megatron_datasets(config, os.path.join(work, "fresh"))
             for name, hit, built in zip(SPLIT_NAMES, loaded, fresh):

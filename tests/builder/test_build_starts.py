@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-import tokenloom.builder as tb
+import tokenloom
 import tokenloom.builder.phases.fingerprint as fingerprint_module
 import tokenloom.builder.phases.plan as plan_module
 import tokenloom.builder.stores as stores_module
@@ -65,12 +65,12 @@ def _served(result) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("mode", ["exact", "stateless"])
 def test_an_unchanged_start_takes_the_kept_plan_and_serves_the_same(stores, tmp_path, monkeypatch, trusting, mode):
     config = blend_config(stores, tmp_path / "cache", mode=mode)
-    first = tb.build(config)
+    first = tokenloom.build(config)
     assert not first.warm_start
     key = start_key(as_build_config(config))
     assert os.path.isfile(record_path(str(tmp_path / "cache"), key))
     planning = _Planning(monkeypatch)
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert second.warm_start and planning.fingerprinted == [] and planning.plans == 0
     assert second.build_key == first.build_key and second.built_keys == frozenset()
     assert second.manifest_path == first.manifest_path
@@ -79,94 +79,94 @@ def test_an_unchanged_start_takes_the_kept_plan_and_serves_the_same(stores, tmp_
     assert second.plan.splits == first.plan.splits
     for name, rows in _served(first).items():
         assert np.array_equal(_served(second)[name], rows), name
-    assert tb.build(config, dry_run=True).items == second.plan.items  # a dry run takes it too
+    assert tokenloom.build(config, dry_run=True).items == second.plan.items  # a dry run takes it too
 
 
 def test_a_changed_store_falls_back_and_builds_what_a_fresh_cache_builds(stores, tmp_path, monkeypatch, trusting):
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     write_store(stores[2], 380, seed=42)  # other documents: other dataset items, another blend
     planning = _Planning(monkeypatch)
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert not second.warm_start and planning.plans == 1
     assert second.build_key != first.build_key and second.built_keys
-    fresh = tb.build(dict(config, cache_dir=str(tmp_path / "fresh")))
+    fresh = tokenloom.build(dict(config, cache_dir=str(tmp_path / "fresh")))
     assert fresh.build_key == second.build_key
     for name, rows in _served(fresh).items():
         assert np.array_equal(_served(second)[name], rows), name
-    third = tb.build(config)  # and the new plan is the one kept now
+    third = tokenloom.build(config)  # and the new plan is the one kept now
     assert third.warm_start and third.build_key == second.build_key
 
 
 def test_a_touched_store_is_checked_again(stores, tmp_path, monkeypatch, trusting):
     config = blend_config(stores, tmp_path / "cache")
-    tb.build(config)
+    tokenloom.build(config)
     os.utime(stores[0] + ".bin")  # same bytes, new mtime and ctime
     planning = _Planning(monkeypatch)
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert not second.warm_start and stores[0] in planning.fingerprinted
-    assert tb.build(config).warm_start
+    assert tokenloom.build(config).warm_start
 
 
 def test_any_config_change_plans_again(stores, tmp_path, monkeypatch, trusting):
     config = blend_config(stores, tmp_path / "cache")
-    tb.build(config)
+    tokenloom.build(config)
     for change in ({"seed": 99}, {"timeout_s": 61.0}, {"blend": {"prefixes": stores, "weights": [3.0, 5.0, 2.5]}}):
-        assert not tb.build(dict(config, **change)).warm_start, change
-    assert tb.build(config).warm_start
+        assert not tokenloom.build(dict(config, **change)).warm_start, change
+    assert tokenloom.build(config).warm_start
 
 
 def test_a_record_of_other_planning_code_is_not_taken(stores, tmp_path, monkeypatch, trusting):
     import tokenloom.builder.starts as starts_module
 
     config = blend_config(stores, tmp_path / "cache")
-    tb.build(config)
+    tokenloom.build(config)
     monkeypatch.setattr(starts_module, "plan_code_digest", lambda: "an edited checkout")
-    assert not tb.build(config).warm_start
-    assert tb.build(config).warm_start  # kept again under the new code's key
+    assert not tokenloom.build(config).warm_start
+    assert tokenloom.build(config).warm_start  # kept again under the new code's key
 
 
 def test_a_missing_item_or_manifest_falls_back_and_rebuilds_it(stores, tmp_path, trusting):
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     before = cache_files(tmp_path / "cache")
     packs = os.path.join(str(tmp_path / "cache"), "packs")
     for name in os.listdir(packs):  # drop every pack: the items are gone
         os.unlink(os.path.join(packs, name))
-    again = tb.build(config)
+    again = tokenloom.build(config)
     assert not again.warm_start and again.built_keys == frozenset(i.key for i in first.plan.items)
     assert cache_files(tmp_path / "cache") == before
     os.unlink(again.manifest_path)
-    last = tb.build(config)
+    last = tokenloom.build(config)
     assert not last.warm_start and os.path.isfile(last.manifest_path)
 
 
 def test_stores_changed_just_before_they_were_recorded_are_not_trusted(stores, tmp_path):
     config = blend_config(stores, tmp_path / "cache")
-    tb.build(config)  # the stores are under 2 s old: recorded, but racy
-    assert not tb.build(config).warm_start
+    tokenloom.build(config)  # the stores are under 2 s old: recorded, but racy
+    assert not tokenloom.build(config).warm_start
 
 
 def test_no_record_without_the_stat_check(stores, tmp_path, trusting):
     config = blend_config(stores, tmp_path / "cache", verify_stores="hash")
     assert start_key(as_build_config(config)) is None
-    tb.build(config)
-    assert not tb.build(config).warm_start
+    tokenloom.build(config)
+    assert not tokenloom.build(config).warm_start
     assert not os.path.exists(os.path.join(str(tmp_path / "cache"), STARTS_DIR))
 
 
 def test_a_damaged_record_is_ignored_with_a_warning(stores, tmp_path, trusting, caplog):
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     path = record_path(str(tmp_path / "cache"), start_key(as_build_config(config)))
     data = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
     with caplog.at_level(logging.WARNING):
-        again = tb.build(config)
+        again = tokenloom.build(config)
     assert not again.warm_start and again.build_key == first.build_key
     assert "unusable warm-start record" in caplog.text and path in caplog.text
-    assert tb.build(config).warm_start  # the general path kept it again
+    assert tokenloom.build(config).warm_start  # the general path kept it again
 
 
 class _Planted:
@@ -176,7 +176,7 @@ class _Planted:
 
 def test_a_record_cannot_run_code(stores, tmp_path, trusting, caplog, monkeypatch):
     config = blend_config(stores, tmp_path / "cache")
-    tb.build(config)
+    tokenloom.build(config)
     key = start_key(as_build_config(config))
     path = record_path(str(tmp_path / "cache"), key)
     with open(path, "wb") as f:
@@ -184,7 +184,7 @@ def test_a_record_cannot_run_code(stores, tmp_path, trusting, caplog, monkeypatc
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING):
         assert read_start(str(tmp_path / "cache"), key) is None
-        assert not tb.build(config).warm_start
+        assert not tokenloom.build(config).warm_start
     assert not (tmp_path / "planted").exists()
     assert "may not build posix.system" in caplog.text
 

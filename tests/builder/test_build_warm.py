@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tokenloom.builder as tb
+import tokenloom
 import tokenloom.builder.phases.fingerprint as fingerprint_module
 import tokenloom.builder.stores as stores_module
 from build_fixtures import blend_config, make_stores, write_store
@@ -59,14 +59,14 @@ def _age(prefix: str, seconds: float = 10.0) -> None:
 def test_unchanged_stores_are_not_hashed_again(stores, tmp_path, monkeypatch):
     monkeypatch.setattr(stores_module, "RACY_NS", 0)  # the files here are seconds old: trust them
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     memo = json.load(open(tmp_path / "cache" / "stores.json"))
     assert sorted(memo["stores"]) == sorted(os.path.abspath(p) for p in stores)
     opens = _Opens(monkeypatch)
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert opens.prefixes == []  # every fingerprint came from the memo
     assert second.build_key == first.build_key and second.built_keys == frozenset()
-    hashed = tb.build(dict(config, verify_stores="hash"))
+    hashed = tokenloom.build(dict(config, verify_stores="hash"))
     assert sorted(opens.prefixes) == sorted(stores)  # hash: every store opened and hashed
     assert hashed.build_key == first.build_key
 
@@ -74,7 +74,7 @@ def test_unchanged_stores_are_not_hashed_again(stores, tmp_path, monkeypatch):
 def test_a_store_changed_under_the_same_size_and_mtime_is_hashed_again(stores, tmp_path, monkeypatch):
     monkeypatch.setattr(stores_module, "RACY_NS", 0)
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     # rewrite store 1 with other document lengths but the same file sizes, then restore its mtimes
     # (what cp -p or rsync -t do): only the ctime and inode tell
     target = stores[1]
@@ -88,7 +88,7 @@ def test_a_store_changed_under_the_same_size_and_mtime_is_hashed_again(stores, t
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert not np.array_equal(np.fromfile(target + ".idx", dtype=np.uint8), old)
     opens = _Opens(monkeypatch)
-    second = tb.build(config)
+    second = tokenloom.build(config)
     assert opens.prefixes == [target]
     assert second.build_key != first.build_key
 
@@ -98,26 +98,26 @@ def test_stores_changed_just_before_they_were_recorded_are_not_trusted(stores, t
     for prefix in stores[:2]:
         _age(prefix, 60.0)
     # ctime is now for all of them: within RACY_NS of the record, so none may be trusted yet
-    tb.build(config)
+    tokenloom.build(config)
     opens = _Opens(monkeypatch)
-    tb.build(config)
+    tokenloom.build(config)
     assert sorted(opens.prefixes) == sorted(stores)
     # once the files are older than the margin when recorded, the memo is used
     monkeypatch.setattr(stores_module, "RACY_NS", 0)
-    tb.build(config)
+    tokenloom.build(config)
     opens.prefixes.clear()
-    tb.build(config)
+    tokenloom.build(config)
     assert opens.prefixes == []
 
 
 def test_a_damaged_memo_is_ignored_with_a_warning(stores, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(stores_module, "RACY_NS", 0)
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     (tmp_path / "cache" / "stores.json").write_text('{"format": "tokenloom-store-fingerprints", "ver')
     opens = _Opens(monkeypatch)
     with caplog.at_level("WARNING"):
-        second = tb.build(config)
+        second = tokenloom.build(config)
     assert "unreadable store fingerprint memo" in caplog.text
     assert sorted(opens.prefixes) == sorted(stores) and second.build_key == first.build_key
     json.load(open(tmp_path / "cache" / "stores.json"))  # rewritten whole
@@ -126,7 +126,7 @@ def test_a_damaged_memo_is_ignored_with_a_warning(stores, tmp_path, monkeypatch,
 def test_a_damaged_memo_entry_is_hashed_again(stores, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(stores_module, "RACY_NS", 0)
     config = blend_config(stores, tmp_path / "cache")
-    first = tb.build(config)
+    first = tokenloom.build(config)
     path = tmp_path / "cache" / "stores.json"
     memo = json.load(open(path))
     key = os.path.abspath(stores[0])
@@ -135,7 +135,7 @@ def test_a_damaged_memo_entry_is_hashed_again(stores, tmp_path, monkeypatch, cap
     path.write_text(json.dumps(memo))
     opens = _Opens(monkeypatch)
     with caplog.at_level("WARNING"):
-        second = tb.build(config)
+        second = tokenloom.build(config)
     assert "unusable memo entry" in caplog.text
     assert sorted(opens.prefixes) == sorted(stores[:2]) and second.build_key == first.build_key
 
@@ -180,7 +180,7 @@ def test_a_build_opens_each_store_on_its_first_read(stores, tmp_path, monkeypatc
     monkeypatch.setattr(readers_module, "IndexedDataset", counting)
     for mode in ("exact", "stateless"):
         opened.clear()
-        result = tb.build(blend_config(stores, tmp_path / mode, mode=mode))
+        result = tokenloom.build(blend_config(stores, tmp_path / mode, mode=mode))
         train = result.split("train")
         assert opened == [] and len(train) > 0 and not any(r.store_open for r in train.readers)
         dataset_ids, sample_ids = train.locate(np.arange(64))
@@ -188,7 +188,7 @@ def test_a_build_opens_each_store_on_its_first_read(stores, tmp_path, monkeypatc
         rows = train.read_samples(dataset_ids[:1], sample_ids[:1])
         assert opened == [stores[first]]
         # the same samples as reading with every store open from the start
-        again = tb.build(blend_config(stores, tmp_path / mode, mode=mode)).split("train")
+        again = tokenloom.build(blend_config(stores, tmp_path / mode, mode=mode)).split("train")
         for reader in again.readers:
             reader.store  # noqa: B018 - open them all
         assert np.array_equal(again.read_samples(dataset_ids[:1], sample_ids[:1]), rows)
@@ -196,7 +196,7 @@ def test_a_build_opens_each_store_on_its_first_read(stores, tmp_path, monkeypatc
 
 
 def test_running_out_of_file_descriptors_names_the_limit(stores, tmp_path, monkeypatch):
-    result = tb.build(blend_config(stores, tmp_path / "cache"))
+    result = tokenloom.build(blend_config(stores, tmp_path / "cache"))
 
     def exhausted(prefix):
         raise OSError(errno.EMFILE, "Too many open files")
@@ -245,7 +245,7 @@ def test_a_split_pickles_and_reads_the_same_in_the_copy(stores, tmp_path):
     import pickle
 
     for mode in ("exact", "stateless"):
-        train = tb.build(blend_config(stores, tmp_path / mode, mode=mode)).split("train")
+        train = tokenloom.build(blend_config(stores, tmp_path / mode, mode=mode)).split("train")
         dataset_ids, sample_ids = train.locate(np.arange(40))
         copy = pickle.loads(pickle.dumps(train))
         assert not any(r.store_open for r in copy.readers)

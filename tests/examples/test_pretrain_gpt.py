@@ -183,7 +183,9 @@ def test_the_document_mask_leaks_nothing_across_documents(tmp_path):
     import numpy as np
 
     from tokenloom.io import IndexedDatasetWriter
-    from tokenloom.serve import SampleStream, StoreBlendSource, read_batch
+    from tokenloom.serve.loader import read_batch
+    from tokenloom.serve.stream import SampleStream
+    from tokenloom.source import StoreBlendSource
 
     example = _example_module()
     vocab, seq = 97, 48

@@ -16,11 +16,12 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-import tokenloom.builder as tb
+import tokenloom
 from s3support import FaultProxy, make_bucket, moto_server, upload
 from tokenloom.builder.cache import Cache
 from tokenloom.io import IndexedDatasetWriter
-from tokenloom.serve import SampleStream, read_batch
+from tokenloom.serve.loader import read_batch
+from tokenloom.serve.stream import SampleStream
 from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
 
 BUCKET = "build"
@@ -99,11 +100,11 @@ def _assert_same_served(a, b) -> None:
 @pytest.mark.parametrize("mode", ["exact", "stateless"])
 def test_a_build_from_s3_equals_the_local_build_and_serves_the_same_samples(world, through_proxy, tmp_path, mode,
                                                                            monkeypatch):
-    local = tb.build(_config(world["local"], tmp_path / "local", mode=mode))
+    local = tokenloom.build(_config(world["local"], tmp_path / "local", mode=mode))
     faults = through_proxy.faults
     through_proxy.fail_next(2, status=503, code="SlowDown")
     through_proxy.cut_next(2)
-    remote = tb.build(_config(world["remote"], tmp_path / "remote", mode=mode))
+    remote = tokenloom.build(_config(world["remote"], tmp_path / "remote", mode=mode))
     assert _arrays(tmp_path / "remote") == _arrays(tmp_path / "local")
     through_proxy.slow_next(1, 2.0)
     through_proxy.fail_next(3, status=500, code="InternalError")
@@ -112,7 +113,7 @@ def test_a_build_from_s3_equals_the_local_build_and_serves_the_same_samples(worl
 
     gets = through_proxy.object_gets
     monkeypatch.setenv("TOKENLOOM_S3_CACHE_DIR", str(tmp_path / "another-node"))
-    again = tb.build(_config(world["remote"], tmp_path / "remote", mode=mode))
+    again = tokenloom.build(_config(world["remote"], tmp_path / "remote", mode=mode))
     assert not again.built_keys and again.build_key == remote.build_key
     assert through_proxy.object_gets == gets  # a warm start on a fresh node: HEADs only, no object read
     assert not os.path.exists(tmp_path / "another-node")
@@ -129,7 +130,7 @@ def test_two_torchrun_ranks_build_from_s3_what_one_local_process_builds(world, t
                "--master-port", str(port), "-m", "tokenloom.cli", "build", str(config), "--no-progress"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
-    tb.build(_config(world["local"], tmp_path / "one"))
+    tokenloom.build(_config(world["local"], tmp_path / "one"))
     assert _arrays(tmp_path / "ranks") == _arrays(tmp_path / "one")
 
 
@@ -178,8 +179,8 @@ def test_dataloader_workers_serve_s3_stores_like_local_ones(world, through_proxy
     from tokenloom.serve.torch_adapter import build_dataloader
 
     geometry = BatchGeometry(global_batch_size=16, micro_batch_size=4, dp=1)
-    local = tb.build(_config(world["local"], tmp_path / "local")).split("train")
-    remote = tb.build(_config(world["remote"], tmp_path / "remote")).split("train")
+    local = tokenloom.build(_config(world["local"], tmp_path / "local")).split("train")
+    remote = tokenloom.build(_config(world["remote"], tmp_path / "remote")).split("train")
     # a first read in this process before the fork: its client, pool and cache must not leak into workers
     read_batch(SampleStream(remote), np.arange(4))
     through_proxy.fail_next(2)

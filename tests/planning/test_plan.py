@@ -33,23 +33,23 @@ def gpt(num_layers: int, hidden_size: int, heads: int, **kw: object) -> tp.Model
 @pytest.mark.parametrize("params, gigabytes", [(1e9, 16), (7e9, 112), (70e9, 1120), (405e9, 6480)])
 def test_sixteen_bytes_per_parameter(params: float, gigabytes: float) -> None:
     # ZeRO section 3.1: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter.
-    assert tp.model_state_bytes(params) / 1e9 == pytest.approx(gigabytes, rel=1e-12)
-    assert tp.model_state_bytes_per_parameter() == 16
+    assert formulas.model_state_bytes(params) / 1e9 == pytest.approx(gigabytes, rel=1e-12)
+    assert formulas.model_state_bytes_per_parameter() == 16
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_figure_one(stage: int, gigabytes: float) -> None:
     # ZeRO Figure 1: 7.5B parameters over 64 data-parallel GPUs.
-    got = tp.model_state_bytes(7.5e9, zero_stage=stage, data_parallel=64) / 1e9
+    got = formulas.model_state_bytes(7.5e9, zero_stage=stage, data_parallel=64) / 1e9
     assert got == pytest.approx(gigabytes, rel=0.01)
 
 
 def test_gpt3_training_days() -> None:
     # Narayanan 2021 section 5.1: GPT-3 175B, 300B tokens, 1024 A100s at 140 TFLOP/s -> about 34 days.
-    days = tp.training_days_estimate(num_parameters=175e9, train_tokens=300e9, num_gpus=1024, achieved_tflops=140)
+    days = formulas.training_days_estimate(num_parameters=175e9, train_tokens=300e9, num_gpus=1024, achieved_tflops=140)
     assert days == pytest.approx(34, abs=0.5)
-    plan = tp.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536,
-                   train_tokens=300_000_000_000, recompute="full")
+    plan = tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536,
+                          train_tokens=300_000_000_000, recompute="full")
     assert plan.training_days_estimate == pytest.approx(34, abs=0.5)
     # The exact FLOP count (eq. 3) adds the s/6h and V/16lh corrections: a few percent more.
     assert plan.training_days == pytest.approx(34.7, abs=0.3)
@@ -57,8 +57,8 @@ def test_gpt3_training_days() -> None:
 
 def test_trillion_parameter_training_days() -> None:
     # Narayanan 2021 section 5.1: the 1T model on 450B tokens, 3072 GPUs at 163 TFLOP/s -> about 84 days.
-    plan = tp.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072,
-                   train_tokens=450_000_000_000, recompute="full", achieved_tflops=163)
+    plan = tokenloom.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072,
+                          train_tokens=450_000_000_000, recompute="full", achieved_tflops=163)
     assert plan.training_days_estimate == pytest.approx(84, abs=1)
 
 
@@ -76,9 +76,9 @@ TABLE_1 = [
 def test_table_one_parameter_counts(billions: float, heads: int, hidden: int, layers: int,
                                     t: int, p: int, n: int, batch: int) -> None:
     model = gpt(layers, hidden, heads)
-    assert tp.gpt_parameter_count(num_layers=layers, hidden_size=hidden, **GPT_DEFAULTS) / 1e9 == \
+    assert formulas.gpt_parameter_count(num_layers=layers, hidden_size=hidden, **GPT_DEFAULTS) / 1e9 == \
         pytest.approx(billions, abs=0.051)
-    assert tp.parameter_count(model) / 1e9 == pytest.approx(billions, abs=0.051)
+    assert formulas.parameter_count(model) / 1e9 == pytest.approx(billions, abs=0.051)
 
 
 @pytest.mark.parametrize("billions, heads, hidden, layers, t, p, n, batch", TABLE_1)
@@ -86,7 +86,7 @@ def test_table_one_layouts_fit(billions: float, heads: int, hidden: int, layers:
                                t: int, p: int, n: int, batch: int) -> None:
     # Every layout Megatron-LM trained (with activation recomputation) fits an 80 GB A100.
     model = gpt(layers, hidden, heads)
-    plan = tp.plan(model, tp.ClusterSpec(num_gpus=n), global_batch_size=batch, train_iters=1, recompute="full")
+    plan = tokenloom.plan(model, tp.ClusterSpec(num_gpus=n), global_batch_size=batch, train_iters=1, recompute="full")
     published = [lay for lay in plan.layouts if (lay.tensor_parallel, lay.pipeline_parallel,
                                                   lay.virtual_pipeline, lay.micro_batch_size) == (t, p, 1, 1)]
     assert len(published) == 1 and published[0].fits
@@ -94,21 +94,22 @@ def test_table_one_layouts_fit(billions: float, heads: int, hidden: int, layers:
 
 def test_trillion_parameters_fit_with_t8_p64() -> None:
     # Narayanan 2021: the 1T model trained on 3072 GPUs with t = 8 and p = 64.
-    plan = tp.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
-                   recompute="full", tensor_parallel=8, pipeline_parallel=64, virtual_pipeline=1, micro_batch_size=1)
+    plan = tokenloom.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
+                          recompute="full", tensor_parallel=8, pipeline_parallel=64, virtual_pipeline=1,
+                          micro_batch_size=1)
     best = plan.best
     assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel) == (8, 64, 6)
     assert best.num_microbatches == 512
     assert best.bubble_fraction == pytest.approx(63 / 512)
     assert best.memory.total_gib < 80
     # ...and without recomputation it does not fit: that is why they recomputed.
-    no_recompute = tp.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
-                           recompute="none", tensor_parallel=8, pipeline_parallel=64, virtual_pipeline=1,
-                           micro_batch_size=1)
+    no_recompute = tokenloom.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
+                                  recompute="none", tensor_parallel=8, pipeline_parallel=64, virtual_pipeline=1,
+                                  micro_batch_size=1)
     assert not no_recompute.feasible
     # Fewer stages cannot hold the weights: 1T x 16 bytes over 8 x 16 GPUs is over 100 GiB.
-    too_few = tp.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
-                      recompute="full", tensor_parallel=8, pipeline_parallel=16)
+    too_few = tokenloom.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1,
+                             recompute="full", tensor_parallel=8, pipeline_parallel=16)
     assert not too_few.feasible and too_few.closest.memory.total_gib > 100
 
 
@@ -116,15 +117,15 @@ def test_trillion_parameters_fit_with_t8_p64() -> None:
                                          ("llama3-405b", 405_853_388_800)])
 def test_llama_parameter_counts(name: str, count: int) -> None:
     # The released checkpoints' exact sizes (GQA, SwiGLU, RMSNorm, untied output).
-    assert tp.parameter_count(tp.model_preset(name)) == count
+    assert formulas.parameter_count(tp.model_preset(name)) == count
 
 
 @pytest.mark.parametrize("heads, hidden, reduction", [(96, 12288, 0.70), (128, 20480, 0.65)])
 def test_selective_recompute_saving(heads: int, hidden: int, reduction: float) -> None:
     # Korthikanti 2022: selective recomputation cuts activation memory by 70% for GPT-3 and 65% for MT-NLG.
     model = gpt(8, hidden, heads)
-    none = tp.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="none")
-    selective = tp.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="selective")
+    none = formulas.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="none")
+    selective = formulas.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="selective")
     assert 1 - selective / none == pytest.approx(reduction, abs=0.01)
 
 
@@ -132,7 +133,7 @@ def test_selective_recompute_saving(heads: int, hidden: int, reduction: float) -
                                                (64, 512, 1, 63 / 512), (1, 5, 1, 0.0), (16, 96, 6, 15 / 576)])
 def test_bubble_fraction(p: int, m: int, v: int, expected: float) -> None:
     # Narayanan 2021 sections 2.2.1-2.2.2: (p - 1)/m, interleaved (p - 1)/(v m).
-    assert tp.pipeline_bubble_fraction(pipeline_parallel=p, num_microbatches=m, virtual_pipeline=v) == \
+    assert formulas.pipeline_bubble_fraction(pipeline_parallel=p, num_microbatches=m, virtual_pipeline=v) == \
         pytest.approx(expected)
 
 
@@ -146,9 +147,9 @@ gpt_shapes = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(gpt_shapes)
 def test_general_count_is_eq2_plus_final_norm(model: tp.ModelSpec) -> None:
-    eq2 = tp.gpt_parameter_count(num_layers=model.num_layers, hidden_size=model.hidden_size,
+    eq2 = formulas.gpt_parameter_count(num_layers=model.num_layers, hidden_size=model.hidden_size,
                                  vocab_size=model.vocab_size, seq_length=model.seq_length)
-    assert tp.parameter_count(model) == pytest.approx(eq2 + 2 * model.hidden_size, rel=1e-12)
+    assert formulas.parameter_count(model) == pytest.approx(eq2 + 2 * model.hidden_size, rel=1e-12)
     assert formulas.layer_parameter_count(model) == 12 * model.hidden_size**2 + 13 * model.hidden_size
 
 
@@ -156,12 +157,12 @@ def test_general_count_is_eq2_plus_final_norm(model: tp.ModelSpec) -> None:
 @given(gpt_shapes, st.integers(1, 4096))
 def test_flops_reduce_to_eq3(model: tp.ModelSpec, batch: int) -> None:
     B, s, l, h, V = batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
-    eq3 = tp.gpt_flops_per_iteration(batch_size=B, seq_length=s, num_layers=l, hidden_size=h, vocab_size=V)
+    eq3 = formulas.gpt_flops_per_iteration(batch_size=B, seq_length=s, num_layers=l, hidden_size=h, vocab_size=V)
     assert eq3 == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
-    assert tp.flops_per_iteration(model, batch_size=B, recompute="full") == pytest.approx(eq3, rel=1e-12)
+    assert formulas.flops_per_iteration(model, batch_size=B, recompute="full") == pytest.approx(eq3, rel=1e-12)
     model_flops = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
-    assert tp.flops_per_iteration(model, batch_size=B, recompute="none") == pytest.approx(model_flops, rel=1e-12)
-    selective = tp.flops_per_iteration(model, batch_size=B, recompute="selective")
+    assert formulas.flops_per_iteration(model, batch_size=B, recompute="none") == pytest.approx(model_flops, rel=1e-12)
+    selective = formulas.flops_per_iteration(model, batch_size=B, recompute="selective")
     assert selective == pytest.approx(model_flops + 4 * B * s * s * h * l, rel=1e-12)
 
 
@@ -169,9 +170,9 @@ def test_flops_reduce_to_eq3(model: tp.ModelSpec, batch: int) -> None:
 @given(gpt_shapes, st.integers(1, 8), st.sampled_from([1, 2, 4, 8]))
 def test_activations_reduce_to_korthikanti_table2(model: tp.ModelSpec, b: int, t: int) -> None:
     s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
-    act = lambda **kw: tp.activation_bytes_per_layer(model, micro_batch_size=b, tensor_parallel=t, **kw)  # noqa: E731
+    act = lambda **kw: formulas.activation_bytes_per_layer(model, micro_batch_size=b, tensor_parallel=t, **kw)  # noqa: E731
     rel = dict(rel=1e-12)
-    assert tp.activation_bytes_per_layer(model, micro_batch_size=b, tensor_parallel=1, recompute="none") == \
+    assert formulas.activation_bytes_per_layer(model, micro_batch_size=b, tensor_parallel=1, recompute="none") == \
         pytest.approx(s * b * h * (34 + 5 * a * s / h), **rel)
     assert act(sequence_parallel=False, recompute="none") == \
         pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), **rel)
@@ -186,16 +187,17 @@ def test_first_stage_activation_memory() -> None:
     # Korthikanti 2022 section 4.2.3: the first stage holds p micro-batches of l/p layers (= l layers),
     # interleaving multiplies that by 1 + (p - 1)/(p v); with fewer micro-batches than stages, m of them.
     model = gpt(48, 8192, 64)
-    per_layer = tp.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="selective")
+    per_layer = formulas.activation_bytes_per_layer(model, micro_batch_size=1, tensor_parallel=8, recompute="selective")
     embed = 2048 * 8192 / 8
     common = dict(micro_batch_size=1, tensor_parallel=8, sequence_parallel=True, recompute="selective")
-    plain = tp.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=1, num_microbatches=64, **common)
+    plain = formulas.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=1, num_microbatches=64, **common)
     assert plain == pytest.approx(48 * per_layer + 4 * embed)
-    interleaved = tp.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=3, num_microbatches=64, **common)
+    interleaved = formulas.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=3, num_microbatches=64,
+                                            **common)
     assert interleaved == pytest.approx((48 * per_layer + 4 * embed) * (1 + 3 / 12))
-    starved = tp.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=1, num_microbatches=2, **common)
+    starved = formulas.activation_bytes(model, pipeline_parallel=4, virtual_pipeline=1, num_microbatches=2, **common)
     assert starved == pytest.approx(48 / 4 * 2 * per_layer + 2 * embed)
-    single = tp.activation_bytes(model, pipeline_parallel=1, virtual_pipeline=1, num_microbatches=8, **common)
+    single = formulas.activation_bytes(model, pipeline_parallel=1, virtual_pipeline=1, num_microbatches=8, **common)
     assert single == pytest.approx(48 * per_layer + embed + 4 * 2048 * 8192 * (1 + 51200 / 8192) / 8)
 
 
@@ -211,7 +213,7 @@ def test_most_loaded_stage_parameters() -> None:
         pytest.approx((first, last), rel=1e-12)
     assert formulas.stage_parameter_count(one_t, tensor_parallel=t, pipeline_parallel=p) == pytest.approx(first)
     llama = tp.model_preset("llama-7b")  # no biases, RMSNorm, untied
-    total = tp.parameter_count(llama)
+    total = formulas.parameter_count(llama)
     norms = 32 * 2 * 4096 + 4096
     assert formulas.stage_parameter_count(llama, tensor_parallel=1, pipeline_parallel=1) == total
     assert formulas.stage_parameter_count(llama, tensor_parallel=2, pipeline_parallel=1) == \
@@ -229,8 +231,8 @@ def test_zero_stages_shard_in_order() -> None:
     assert formulas.model_state_breakdown(1e9, zero_stage=2, data_parallel=8) == (2e9, 0.25e9, 1.5e9)
     assert formulas.model_state_breakdown(1e9, zero_stage=3, data_parallel=8) == (0.25e9, 0.25e9, 1.5e9)
     # Megatron's default fp32 main gradients: 18 bytes, 6 + 12/d with the distributed optimizer.
-    assert tp.model_state_bytes_per_parameter(gradient_bytes=4) == 18
-    assert tp.model_state_bytes_per_parameter(gradient_bytes=4, zero_stage=1, data_parallel=4) == 9
+    assert formulas.model_state_bytes_per_parameter(gradient_bytes=4) == 18
+    assert formulas.model_state_bytes_per_parameter(gradient_bytes=4, zero_stage=1, data_parallel=4) == 9
 
 
 # ------------------------------------------------------------------ the search
@@ -281,9 +283,9 @@ def test_search_is_exhaustive_and_ranked(model: tp.ModelSpec, n: int, per_node: 
     expected = _reference_layouts(model, cluster, batch, options)
     if not {(t, p) for t, p, _, _ in expected}:
         with pytest.raises(ConfigError):
-            tp.plan(model, cluster, global_batch_size=batch, train_iters=10, options=options)
+            tokenloom.plan(model, cluster, global_batch_size=batch, train_iters=10, options=options)
         return
-    plan = tp.plan(model, cluster, global_batch_size=batch, train_iters=10, options=options)
+    plan = tokenloom.plan(model, cluster, global_batch_size=batch, train_iters=10, options=options)
     assert plan.candidates_considered == len(expected)
     got = {(x.tensor_parallel, x.pipeline_parallel, x.virtual_pipeline, x.micro_batch_size) for x in plan.layouts}
     assert got <= expected
@@ -313,8 +315,8 @@ def test_search_is_exhaustive_and_ranked(model: tp.ModelSpec, n: int, per_node: 
 
 def test_more_memory_never_loses_layouts() -> None:
     model = tp.model_preset("llama-7b")
-    sizes = [len(tp.plan(model, tp.ClusterSpec(num_gpus=16, memory_per_gpu_gib=g), global_batch_size=256,
-                         train_iters=1).layouts) for g in (16, 24, 40, 80, 141)]
+    sizes = [len(tokenloom.plan(model, tp.ClusterSpec(num_gpus=16, memory_per_gpu_gib=g), global_batch_size=256,
+                                train_iters=1).layouts) for g in (16, 24, 40, 80, 141)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
 
 
@@ -335,9 +337,9 @@ def test_recompute_and_zero_only_lower_memory() -> None:
 def test_ranking_follows_practice_and_explains() -> None:
     # A small model goes pure data parallel; a large one takes TP = a whole node and only as many
     # stages as memory needs.
-    small = tp.plan(gpt(24, 2304, 24), tp.ClusterSpec(num_gpus=32), global_batch_size=512, train_iters=1)
+    small = tokenloom.plan(gpt(24, 2304, 24), tp.ClusterSpec(num_gpus=32), global_batch_size=512, train_iters=1)
     assert (small.best.tensor_parallel, small.best.pipeline_parallel) == (1, 1)
-    big = tp.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1, recompute="full")
+    big = tokenloom.plan("gpt-1t", "a100-80gb", num_gpus=3072, global_batch_size=3072, train_iters=1, recompute="full")
     assert big.best.tensor_parallel == 8
     fitting_mp = {x.model_parallel for x in big.layouts}
     assert big.best.model_parallel == min(fitting_mp)
@@ -354,7 +356,7 @@ def test_ranking_follows_practice_and_explains() -> None:
 
 
 def test_impossible_request_says_by_how_much() -> None:
-    plan = tp.plan("llama2-70b", "a100-80gb", num_gpus=8, global_batch_size=1024, train_tokens=2 * 10**12)
+    plan = tokenloom.plan("llama2-70b", "a100-80gb", num_gpus=8, global_batch_size=1024, train_tokens=2 * 10**12)
     assert not plan.feasible and plan.layouts == ()
     need = plan.closest.memory.total_gib
     assert need > 80
@@ -364,7 +366,7 @@ def test_impossible_request_says_by_how_much() -> None:
     with pytest.raises(ConfigError, match="short by"):
         _ = plan.best
     # The same request on 64 GPUs fits.
-    assert tp.plan("llama2-70b", "a100-80gb", num_gpus=64, global_batch_size=1024, train_iters=1).feasible
+    assert tokenloom.plan("llama2-70b", "a100-80gb", num_gpus=64, global_batch_size=1024, train_iters=1).feasible
 
 
 # ------------------------------------------------------------------ validation
@@ -385,21 +387,22 @@ def test_impossible_request_says_by_how_much() -> None:
     (lambda: tp.TrainingSpec(global_batch_size=8), "train_tokens or train_iters"),
     (lambda: tp.PlanOptions(recompute="some"), "'some'"),
     (lambda: tp.PlanOptions(zero_stage=4), "zero_stage must be 0, 1, 2 or 3, got 4"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_tokens=1000, train_iters=1),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_tokens=1000, train_iters=1),
      "global_batch_tokens=1000 is not a multiple of the sequence length 2048"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
-                     tensor_parallel=5), "tensor-parallel size 5 does not divide the 64 GPUs"),
-    (lambda: tp.plan("llama2-70b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
-                     tensor_parallel=16), "exceeds the 8 GPUs of a node"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
-                     pipeline_parallel=7), "pipeline-parallel size 7 does not divide num_layers=96"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=63, train_iters=1,
-                     tensor_parallel=8, pipeline_parallel=1), "global batch size 63 is not divisible"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
-                     tensor_parallel=8, pipeline_parallel=1, micro_batch_size=3), "micro-batch"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", global_batch_size=64, train_iters=1), "needs num_gpus"),
-    (lambda: tp.plan("gpt-5", "a100-80gb", num_gpus=8, global_batch_size=64, train_iters=1), "unknown model preset"),
-    (lambda: tp.plan("gpt3-175b", "a100-80gb", num_gpus=8, global_batch_size=64, train_iters=1, batch=3),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
+                            tensor_parallel=5), "tensor-parallel size 5 does not divide the 64 GPUs"),
+    (lambda: tokenloom.plan("llama2-70b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
+                            tensor_parallel=16), "exceeds the 8 GPUs of a node"),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
+                            pipeline_parallel=7), "pipeline-parallel size 7 does not divide num_layers=96"),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=63, train_iters=1,
+                            tensor_parallel=8, pipeline_parallel=1), "global batch size 63 is not divisible"),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=64, global_batch_size=64, train_iters=1,
+                            tensor_parallel=8, pipeline_parallel=1, micro_batch_size=3), "micro-batch"),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", global_batch_size=64, train_iters=1), "needs num_gpus"),
+    (lambda: tokenloom.plan("gpt-5", "a100-80gb", num_gpus=8, global_batch_size=64, train_iters=1),
+     "unknown model preset"),
+    (lambda: tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=8, global_batch_size=64, train_iters=1, batch=3),
      "unknown plan arguments ['batch']"),
     (lambda: tp.evaluate_layout(tp.model_preset("gpt3-175b"), tp.ClusterSpec(num_gpus=64), tp.PlanOptions(),
                                 global_batch_size=64, tensor_parallel=8, pipeline_parallel=5, virtual_pipeline=1,
@@ -471,7 +474,7 @@ def test_geometry_file_errors(tmp_path) -> None:
 
 
 def test_plan_geometry_matches_best_layout() -> None:
-    plan = tp.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536, train_tokens=300 * 10**9)
+    plan = tokenloom.plan("gpt3-175b", "a100-80gb", num_gpus=1024, global_batch_size=1536, train_tokens=300 * 10**9)
     geometry, best = plan.geometry(), plan.best
     assert (geometry.data_parallel_size, geometry.micro_batch_size, geometry.gradient_accumulation_steps) == \
         (best.data_parallel, best.micro_batch_size, best.num_microbatches)
@@ -489,7 +492,7 @@ def test_plan_is_a_function_of_the_package() -> None:
     assert callable(tokenloom.plan) and not isinstance(tokenloom.plan, type(tp))
     result = tokenloom.plan("llama-7b", "h100-80gb", num_gpus=8, global_batch_size=64, train_iters=1)
     assert isinstance(result, tp.Plan) and result.feasible
-    assert result == tp.plan("llama-7b", "h100-80gb", num_gpus=8, global_batch_size=64, train_iters=1)
+    assert result == tokenloom.plan("llama-7b", "h100-80gb", num_gpus=8, global_batch_size=64, train_iters=1)
 
 
 def _cli(argv: list[str]) -> int:
@@ -605,13 +608,13 @@ def test_parameter_count_matches_megatron_core(megatron_gpt) -> None:
     @settings(max_examples=40, deadline=None)
     @given(megatron_shapes)
     def check(spec: tp.ModelSpec) -> None:
-        assert tp.parameter_count(spec) == megatron_gpt(spec)
+        assert formulas.parameter_count(spec) == megatron_gpt(spec)
 
     check()
     # ...and a preset's exact shape scaled down to a few layers.
     small_llama = replace(tp.model_preset("llama2-70b"), num_layers=1, hidden_size=256, num_attention_heads=8,
                           num_query_groups=2, ffn_hidden_size=640, vocab_size=1000, seq_length=64)
-    assert tp.parameter_count(small_llama) == megatron_gpt(small_llama)
+    assert formulas.parameter_count(small_llama) == megatron_gpt(small_llama)
 
 
 def test_geometry_configures_build_and_serve(tmp_path) -> None:
@@ -619,8 +622,8 @@ def test_geometry_configures_build_and_serve(tmp_path) -> None:
     from tokenloom.builder.config import build_config_from_dict
     from tokenloom.serve.geometry import BatchGeometry
 
-    plan = tp.plan("llama-7b", "a100-80gb", num_gpus=16, global_batch_size=256, train_iters=2500,
-                   eval_interval=500, eval_iters=10)
+    plan = tokenloom.plan("llama-7b", "a100-80gb", num_gpus=16, global_batch_size=256, train_iters=2500,
+                          eval_interval=500, eval_iters=10)
     geometry = plan.geometry()
     geometry.write(tmp_path / "geometry.yaml")
     config = build_config_from_dict({"geometry": "geometry.yaml", "blend": [["corpus"], None], "split": "969,30,1"},

@@ -9,8 +9,9 @@ import sys
 import jax
 import numpy as np
 
-from tokenloom.serve import SampleOptions, StoreBlendSource
+from tokenloom.serve import SampleOptions
 from tokenloom.serve.jax_adapter import HostLoader, ShardOptions, make_global_batch
+from tokenloom.source import StoreBlendSource
 
 
 def record_shards(batches, mesh) -> tuple[list, list]:

@@ -8,7 +8,8 @@ import pytest
 
 from serve_fixtures import write_corpus
 from tokenloom.cli import main
-from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, StoreBlendSource
+from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader
+from tokenloom.source import StoreBlendSource
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,10 @@ import pytest
 
 from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
-from tokenloom.serve import (
-    BatchGeometry,
-    RankLoader,
-    SampleOptions,
-    SampleStream,
-    Topology,
-    field_schema,
-    read_batch,
-    read_fields,
-)
+from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, Topology, field_schema
+from tokenloom.serve.batch import read_fields
+from tokenloom.serve.loader import read_batch
+from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.topology import INPUT_FIELDS, TARGET_FIELDS
 from tokenloom.source import DatasetInfo, StatelessBlendSource, StoreBlendSource
 

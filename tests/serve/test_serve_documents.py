@@ -18,19 +18,11 @@ from hypothesis import strategies as st
 
 from serve_fixtures import megatron_blended, write_store
 from tokenloom.errors import BuildError, ConfigError, FormatError, InputError
-from tokenloom.serve import (
-    BatchGeometry,
-    BatchPipeline,
-    RankLoader,
-    SampleOptions,
-    SampleStream,
-    StoreBlendSource,
-    Topology,
-    field_schema,
-    read_batch,
-)
+from tokenloom.serve import BatchGeometry, BatchPipeline, RankLoader, SampleOptions, Topology, field_schema
+from tokenloom.serve.loader import read_batch
 from tokenloom.serve.samples import document_fields
-from tokenloom.source import StatelessBlendSource
+from tokenloom.serve.stream import SampleStream
+from tokenloom.source import StatelessBlendSource, StoreBlendSource
 
 VOCAB = 1000
 EOD = VOCAB - 1
@@ -211,7 +203,7 @@ def test_a_padded_sample_whose_last_piece_is_the_extra_token(tmp_path):
     token, so it is dropped and the padding joins the first document (megatron-core's rule)."""
     from tokenloom.index.megatron_gpt import build_megatron_gpt_indices
     from tokenloom.io import IndexedDataset
-    from tokenloom.source import MegatronReader
+    from tokenloom.source.readers import MegatronReader
 
     store = IndexedDataset(write_store(str(tmp_path / "s"), [np.arange(1, 6), np.array([EOD])], vocab_size=VOCAB,
                                        eod_id=EOD))
@@ -383,7 +375,7 @@ def test_every_pipeline_stage_gets_the_boundaries_and_context_parallel_keeps_the
 def test_a_simulated_dp_tp_pp_cp_job_serves_the_one_process_boundaries(tmp_path):
     """dp=2 x tp=2 x pp=3 x cp=2 with boundaries: the reassembled global batches (sequence fields
     from the cp chunks, boundaries whole) equal what one process reads."""
-    from tokenloom.serve import simulate_job
+    from tokenloom.serve.simulate import simulate_job
 
     rng = np.random.default_rng(9)
     docs = [np.append(rng.integers(0, EOD, int(n)), EOD) for n in rng.integers(1, 30, 60)]
@@ -492,8 +484,8 @@ def test_segment_ids_and_document_ids_number_the_documents(tmp_path_factory, seq
 
 
 def test_boundary_formats_are_checked_and_thd_is_refused_where_rows_are_assembled():
-    from tokenloom.serve import simulate_job
     from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
+    from tokenloom.serve.simulate import simulate_job
 
     with pytest.raises(ConfigError, match="boundary_format='packed'; expected one of"):
         SampleOptions(inter_document_masking=True, boundary_format="packed")

@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import tokenloom
 from serve_fixtures import write_corpus
-from tokenloom.index import BlendSpec
-from tokenloom.serve import BatchGeometry, SampleSource, SampleStream, StoreBlendSource, Topology, read_batch
+from tokenloom.index.blend_spec import BlendSpec
+from tokenloom.serve import BatchGeometry, Topology
+from tokenloom.serve.loader import read_batch
 from tokenloom.serve.simulate import simulate_job
+from tokenloom.serve.stream import SampleStream
+from tokenloom.source import SampleSource, StoreBlendSource
 
 build_module = pytest.importorskip("tokenloom.builder")
 
@@ -18,7 +22,7 @@ def test_exact_build_split_serves_the_in_memory_stream(tmp_path):
     config = build_module.BuildConfig(seq_length=16, blend=BlendSpec(prefixes=tuple(prefixes), weights=(0.6, 0.4)),
                                       split="1,0,0", train_samples=100, valid_samples=0, test_samples=0, seed=7,
                                       cache_dir=str(tmp_path / "cache"))
-    train = build_module.build(config).split("train")
+    train = tokenloom.build(config).split("train")
     assert isinstance(train, SampleSource)
     mine = StoreBlendSource.from_prefixes(prefixes, [0.6, 0.4], num_samples=100, seq_length=16, seed=7)
     assert train.num_samples == mine.num_samples

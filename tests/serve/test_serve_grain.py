@@ -207,3 +207,12 @@ def test_a_worker_that_reached_max_steps_saves_the_step_it_serves_next(split):
     assert it.get_state()["tokenloom"]["step"] == 3
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_grain_source_is_the_experimental_face():
+    """``tokenloom.experimental.GrainSource`` is the adapter's class, loaded with grain on first use."""
+    import tokenloom.experimental as experimental
+
+    assert experimental.GrainSource is GrainSource
+    with pytest.raises(AttributeError, match="no attribute 'GrainStream'"):
+        experimental.GrainStream  # noqa: B018

@@ -15,8 +15,9 @@ import pytest
 
 from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
-from tokenloom.serve import SampleOptions, StoreBlendSource
+from tokenloom.serve import SampleOptions
 from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
+from tokenloom.source import StoreBlendSource
 
 OPTIONS = SampleOptions(reset_position_ids=True, eod_mask_loss=True)
 SEGMENTS = SampleOptions(eod_mask_loss=True, inter_document_masking=True, boundary_format="segments")

@@ -8,15 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_fixtures import megatron_blended, write_corpus
-from tokenloom.serve import (
-    BatchGeometry,
-    RankLoader,
-    SampleOptions,
-    SampleStream,
-    StoreBlendSource,
-    Topology,
-    read_batch,
-)
+from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, Topology
+from tokenloom.serve.loader import read_batch
+from tokenloom.serve.stream import SampleStream
+from tokenloom.source import StoreBlendSource
 
 pytest.importorskip("megatron.core")
 torch = pytest.importorskip("torch")
@@ -115,7 +110,7 @@ def test_gather_matches_the_per_sample_lookup(tmp_path_factory, lengths, seq_len
     from tokenloom.errors import ConfigError
     from tokenloom.index.megatron_gpt import build_megatron_gpt_indices, megatron_gpt_sample
     from tokenloom.io import IndexedDataset
-    from tokenloom.serve import gather_gpt_samples
+    from tokenloom.source.readers import gather_gpt_samples
 
     rng = np.random.default_rng(len(lengths) * 31 + seq_length)
     prefix = write_store(str(tmp_path_factory.mktemp("gather") / "s"), [rng.integers(0, 500, n) for n in lengths],
@@ -146,7 +141,7 @@ def test_gather_pads_a_short_last_sample(tmp_path):
     from serve_fixtures import write_store
     from tokenloom.index.megatron_gpt import build_megatron_gpt_indices, megatron_gpt_sample
     from tokenloom.io import IndexedDataset
-    from tokenloom.serve import gather_gpt_samples
+    from tokenloom.source.readers import gather_gpt_samples
 
     store = IndexedDataset(write_store(str(tmp_path / "s"), [np.arange(5), np.arange(6)], vocab_size=10, eod_id=None))
     # 11 tokens, samples of 4 (+1): two whole samples and a short third one kept

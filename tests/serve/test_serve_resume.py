@@ -15,11 +15,11 @@ from tokenloom.serve import (
     MixtureAudit,
     RankLoader,
     SampleOptions,
-    StoreBlendSource,
     Topology,
     read_audit_log,
     summarize_audit,
 )
+from tokenloom.source import StoreBlendSource
 
 GLOBAL, MICRO, SEQ = 16, 2, 12
 OPTIONS = SampleOptions(eod_mask_loss=True, reset_position_ids=True)

@@ -6,7 +6,8 @@ import pytest
 
 from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
-from tokenloom.serve import BatchGeometry, BatchSizeSchedule, MicroBatchSampler
+from tokenloom.serve import BatchGeometry, BatchSizeSchedule
+from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.source import StoreBlendSource
 
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from serve_fixtures import write_corpus
-from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, StoreBlendSource, Topology, read_audit_log
+from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, Topology, read_audit_log
 from tokenloom.serve.simulate import simulate_job
+from tokenloom.source import StoreBlendSource
 
 OPTIONS = SampleOptions(eod_mask_loss=True, reset_position_ids=True, create_attention_mask=True,
                         reset_attention_mask=True)

@@ -14,7 +14,8 @@ import tokenloom
 from serve_fixtures import write_corpus
 from tokenloom.cli import main as cli_main
 from tokenloom.errors import ConfigError
-from tokenloom.serve import BatchGeometry, MicroBatchSampler, MixtureAudit, RankLoader, Topology, read_audit_log
+from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, Topology, read_audit_log
+from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.stream import SampleStream
 
 G, MICRO = 8, 2

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_fixtures import write_corpus
-from tokenloom.serve import BatchGeometry, RankLoader, SampleSource, StoreBlendSource, Topology
-from tokenloom.source import StatelessBlendSource
+from tokenloom.serve import BatchGeometry, RankLoader, Topology
+from tokenloom.source import SampleSource, StatelessBlendSource, StoreBlendSource
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,8 @@ import pytest
 
 from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
-from tokenloom.serve import (
-    BatchGeometry,
-    MixtureAudit,
-    RankLoader,
-    SampleOptions,
-    StoreBlendSource,
-    Topology,
-    read_audit_log,
-)
+from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, SampleOptions, Topology, read_audit_log
+from tokenloom.source import StoreBlendSource
 
 torch = pytest.importorskip("torch")
 from tokenloom.serve.torch_adapter import build_dataloader  # noqa: E402

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, StoreBlendSource, Topology
+from tokenloom.serve import BatchGeometry, MixtureAudit, SampleOptions, Topology
 from tokenloom.serve.torch_adapter import DistributedBatches, tensor_parallel_group
+from tokenloom.source import StoreBlendSource
 
 
 def main() -> None:

@@ -8,20 +8,14 @@ import pytest
 
 import tokenloom
 from tokenloom.errors import ConfigError, PositionError
-from tokenloom.index import BlendSpec, build_megatron_gpt_indices, megatron_gpt_sample
+from tokenloom.index import build_megatron_gpt_indices
+from tokenloom.index.blend_spec import BlendSpec
+from tokenloom.index.megatron_gpt import megatron_gpt_sample
 from tokenloom.io import IndexedDataset, IndexedDatasetWriter
-from tokenloom.source import (
-    ArrayLocator,
-    BlendedSource,
-    BlendLocator,
-    DirectLocator,
-    MegatronReader,
-    SampleSource,
-    StatelessBlendSource,
-    StatelessReader,
-    StoreBlendSource,
-    build_key,
-)
+from tokenloom.source import BlendedSource, SampleSource, StatelessBlendSource, StoreBlendSource
+from tokenloom.source.blended import ArrayLocator, BlendLocator, DirectLocator
+from tokenloom.source.keys import build_key
+from tokenloom.source.readers import MegatronReader, StatelessReader
 
 
 @pytest.fixture(scope="module")

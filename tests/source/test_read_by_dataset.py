@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tokenloom.errors import ConfigError
-from tokenloom.source import DatasetInfo, read_by_dataset
+from tokenloom.source import DatasetInfo
+from tokenloom.source.blended import read_by_dataset
 
 DATASETS = (DatasetInfo(name="web", weight=0.75, num_samples=10, eod_id=0),
             DatasetInfo(name="code", weight=0.25, num_samples=3, eod_id=0))
@@ -55,8 +56,8 @@ def test_bad_ids_name_the_dataset_and_the_sample(dataset_ids, sample_ids, messag
 )
 def test_both_sources_refuse_bad_blend_arguments_before_opening_anything(source, prefixes, weights,
                                                                          split_name, message):
-    import tokenloom.serve as serve
+    import tokenloom.source
 
-    cls = getattr(serve, source)
+    cls = getattr(tokenloom.source, source)
     with pytest.raises(ConfigError, match=message):
         cls.from_prefixes(prefixes, weights, num_samples=8, seq_length=4, split_name=split_name)

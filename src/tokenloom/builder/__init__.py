@@ -9,21 +9,32 @@ Importing this package never imports torch; torch.distributed is used only when 
 or a distributed job (torchrun) is running.
 """
 
+from tokenloom import _moved
 from tokenloom.builder.cache_verify import VerifyReport, verify_cache
 from tokenloom.builder.config import BuildConfig, load_build_config
-from tokenloom.builder.items import BuildPlan, WorkItem, format_plan
+from tokenloom.builder.items import BuildPlan
 from tokenloom.builder.result import BuildResult
-from tokenloom.builder.runner import build
+from tokenloom.builder.tokenize import tokenize_on_ranks
+
+#: Names this package exported before its face was curated, and the module each is imported from
+#: now; importing one from here still works, with a DeprecationWarning (:mod:`tokenloom._moved`).
+_MOVED = {
+    "build": "tokenloom",
+    "WorkItem": "tokenloom.builder.items",
+    "format_plan": "tokenloom.builder.items",
+}
+
+
+def __getattr__(name: str) -> object:
+    return _moved.moved_attribute(__name__, name, _MOVED)
+
 
 __all__ = [
     "BuildConfig",
     "BuildPlan",
     "BuildResult",
     "VerifyReport",
-    "WorkItem",
-    "build",
-    "format_plan",
     "load_build_config",
+    "tokenize_on_ranks",
     "verify_cache",
 ]
-

@@ -147,6 +147,12 @@ class BuildPlan:
     def cache_bytes(self) -> int:
         return sum(item.output_bytes for item in self.items)
 
+    def describe(self, *, done: frozenset[str] = frozenset(), cache_dir: str | None = None) -> str:
+        """The dry-run report (:func:`format_plan`): items per rank, estimated seconds, memory and
+        cache size, against the space free in ``cache_dir``'s filesystem when given; ``done`` holds
+        the keys already cached."""
+        return format_plan(self, done=done, cache_dir=cache_dir)
+
 
 # ------------------------------------------------------------------------------------ resolution
 

@@ -41,17 +41,10 @@ ProgressCallback = Callable[[int, int], None]
 def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCallback | None = None,
           on_plan: Callable[[BuildPlan, frozenset], None] | None = None,
           _before_item: Callable[[WorkItem, int], None] | None = None):
-    """Build (or reuse from the cache) every index of ``config`` and open them on every rank.
-
-    ``config`` is a :class:`BuildConfig`, a mapping, or a YAML/JSON path. ``group`` is a
-    torch.distributed process group of the ranks that build together (default: every rank of an
-    initialised job, or this process alone); the build makes its own gloo group over those ranks.
-    Every rank of the group must call ``build`` with the same config.
-
-    Returns a :class:`BuildResult`, or with ``dry_run`` the :class:`BuildPlan` (nothing written).
-    ``on_plan(plan, cached_keys)`` is called on rank 0 once the plan is known; ``on_progress``
-    reports items done while building, on rank 0.
-    """
+    """:func:`tokenloom.build`, whose docstring says what the arguments mean; ``_before_item(item,
+    rank)`` is a test hook called before each item is built."""
+    # TODO(ranks): a store missing on one rank only (a node-local disk) fails that rank here, before
+    # the group exists, so the others wait for their timeout instead of failing with its message.
     config = as_build_config(config).resolve()  # the step that reads files (epoch budgets)
     group, owned = open_group(group, timeout_s=config.timeout_s)
     blend_group = None

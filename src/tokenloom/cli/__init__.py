@@ -13,12 +13,11 @@ import logging
 import os
 import sys
 
-from tokenloom._version import __version__
+import tokenloom
 from tokenloom.cli import builder, demo, planning, serving, stores, tokenization
-from tokenloom.errors import TokenloomError
 
 #: Command groups in the order ``--help`` lists them (the flow: plan -> tokenize -> build -> serve).
-COMMAND_GROUPS = (planning, tokenization, stores, builder, serving, demo)
+_COMMAND_GROUPS = (planning, tokenization, stores, builder, serving, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,10 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenloom",
         description="The data layer of LLM pretraining: plan -> tokenize -> build -> serve.",
     )
-    parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
+    parser.add_argument("--version", action="version", version=f"tokenloom {tokenloom.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for group in COMMAND_GROUPS:
+    for group in _COMMAND_GROUPS:
         group.register(subparsers)
     return parser
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         # output still buffered goes to /dev/null so that exit does not fail on it again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except TokenloomError as exc:
+    except tokenloom.TokenloomError as exc:
         print(f"tokenloom {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -60,4 +59,4 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["COMMAND_GROUPS", "build_parser", "main"]
+__all__ = ["build_parser", "main"]

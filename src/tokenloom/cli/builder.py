@@ -1,4 +1,4 @@
-"""``tokenloom build`` and ``tokenloom cache``: the command-line side of :mod:`tokenloom.build`.
+"""``tokenloom build`` and ``tokenloom cache``: the command-line side of :func:`tokenloom.build`.
 
 ``tokenloom build CONFIG`` runs alone or under torchrun (each rank runs the same command); rank 0
 prints the plan, a progress bar and the summary. ``tokenloom cache verify DIR`` checks a cache
@@ -53,8 +53,8 @@ def add_build_parser(subparsers) -> None:
 
 
 def run_build(args) -> int:
-    import tokenloom.builder as tb
-    from tokenloom.builder.items import format_plan
+    import tokenloom
+    from tokenloom.builder import load_build_config
 
     overrides = {
         "cache_dir": args.cache, "mode": args.mode, "megatron_cache_dir": args.megatron_cache,
@@ -63,12 +63,12 @@ def run_build(args) -> int:
     }
     if args.no_shared_fs:
         overrides["shared_fs"] = False
-    config = tb.load_build_config(args.config, **overrides)
+    config = load_build_config(args.config, **overrides)
     bar = {}
 
     def on_plan(plan, cached) -> None:
         if args.dry_run:
-            print(format_plan(plan, done=cached, cache_dir=config.cache_dir))
+            print(plan.describe(done=cached, cache_dir=config.cache_dir))
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
                   f"{len(plan.items) - len(cached)} to build on {plan.world_size} rank(s), "
@@ -86,7 +86,7 @@ def run_build(args) -> int:
         if done >= total:
             progress.close()
 
-    result = tb.build(config, dry_run=args.dry_run, on_plan=on_plan, on_progress=on_progress)
+    result = tokenloom.build(config, dry_run=args.dry_run, on_plan=on_plan, on_progress=on_progress)
     if args.dry_run or result.rank != 0:
         return 0
     packing = result.packing_report()

@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 
 def run_demo_command(args) -> int:
-    from tokenloom.examples.demo import run_demo
+    from tokenloom.examples import run_demo
 
     run_demo(args.output, workers=args.workers)
     return 0

@@ -1,4 +1,4 @@
-"""The ``tokenloom plan`` subcommand: flags in, :func:`tokenloom.planning.plan` out.
+"""The ``tokenloom plan`` subcommand: flags in, :func:`tokenloom.planning.plan_layout` out.
 
 ``register(subparsers)`` adds it; the parsed namespace carries ``run=run_plan``. This is the only
 place that knows the flag names. Library errors
@@ -12,11 +12,18 @@ import argparse
 import json
 import sys
 
-from tokenloom.errors import ConfigError
-from tokenloom.planning.presets import GPU_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
-from tokenloom.planning.report import format_plan
-from tokenloom.planning.search import plan_layout
-from tokenloom.planning.specs import RECOMPUTE_CHOICES, ModelSpec, PlanOptions, TrainingSpec
+from tokenloom import ConfigError
+from tokenloom.planning import (
+    ModelSpec,
+    PlanOptions,
+    TrainingSpec,
+    cluster_preset,
+    format_plan,
+    gpu_preset_names,
+    model_preset,
+    model_preset_names,
+    plan_layout,
+)
 
 # flag dest -> ModelSpec field, for building or overriding a model from the command line
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -36,7 +43,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.set_defaults(run=run_plan)
 
     m = p.add_argument_group("model (a preset, or every shape flag; flags override a preset)")
-    m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a well-known model shape")
+    m.add_argument("--model", choices=model_preset_names(), help="a well-known model shape")
     m.add_argument("--num-layers", type=int, help="transformer layers l")
     m.add_argument("--hidden-size", type=int, help="model width h")
     m.add_argument("--num-attention-heads", type=int, help="query heads a")
@@ -53,7 +60,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
     c = p.add_argument_group("cluster")
     c.add_argument("--num-gpus", type=int, required=True, help="GPUs in the job n")
-    c.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="a100-80gb", help="GPU preset (default a100-80gb)")
+    c.add_argument("--gpu", choices=gpu_preset_names(), default="a100-80gb", help="GPU preset (default a100-80gb)")
     c.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
     c.add_argument("--memory-per-gpu-gib", type=float, help="GPU memory in GiB")
     c.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU")
@@ -72,7 +79,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     t.add_argument("--eval-iters", type=int, default=100, help="batches per validation (default 100)")
 
     o = p.add_argument_group("options")
-    o.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="selective",
+    o.add_argument("--recompute", choices=PlanOptions.recompute_choices, default="selective",
                    help="activation recomputation (default selective)")
     o.add_argument("--no-sequence-parallel", action="store_true", help="turn sequence parallelism off")
     o.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,

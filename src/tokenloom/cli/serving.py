@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from tokenloom.errors import ConfigError
+from tokenloom import ConfigError
 
 
 def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from tokenloom.serve.audit import read_audit_log, summarize_audit, summarize_skips
+    from tokenloom.serve import read_audit_log, summarize_audit, summarize_skips
 
     log = read_audit_log(args.log)
     rows = summarize_audit(log)
@@ -200,7 +200,7 @@ def run_where(args: argparse.Namespace) -> int:
 
 
 def run_find(args: argparse.Namespace) -> int:
-    from tokenloom.source.provenance import steps_of
+    from tokenloom.source import steps_of
 
     source = _open_split(args.config, args.split)
     positions = source.find(args.store, args.document)

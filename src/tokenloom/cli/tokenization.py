@@ -13,7 +13,7 @@ import re
 import sys
 import time
 
-from tokenloom.errors import ConfigError, InputError
+from tokenloom import ConfigError, InputError
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 
@@ -158,7 +158,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         engine=args.engine,
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the inputs divided over the ranks
-        from tokenloom.builder.tokenize import tokenize_on_ranks
+        from tokenloom.builder import tokenize_on_ranks
 
         summary = tokenize_on_ranks(args.inputs, args.output, config)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -19,7 +19,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
-from tokenloom.errors import ConfigError
+from tokenloom import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +116,8 @@ def write_build_config(output_dir: str, stores: list[DemoStore]) -> str:
     with ``tokenloom build``."""
     import yaml
 
+    # TODO(demo): the paths are absolute, so the folder cannot move. Config-relative paths would
+    # allow relative ones, but they change the build key, which the README's outputs show.
     blend: list[str] = []
     for store in stores:
         blend += [str(DEMO_WEIGHTS[store.name]), os.path.abspath(store.prefix)]
@@ -154,9 +156,9 @@ def _build_rank(rank: int, world_size: int, port: int, config_path: str, results
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        from tokenloom.builder import build
+        import tokenloom
 
-        result = build(config_path)
+        result = tokenloom.build(config_path)
         mine = result.plan.items_of_rank(rank)
         seconds = sum(item.cost_s for item in mine)
         results.put((rank, None, (len(mine), seconds), result.build_key))
@@ -169,8 +171,8 @@ def _build_rank(rank: int, world_size: int, port: int, config_path: str, results
 def build_indices(config_path: str, *, ranks: int = 2, echo=print):
     """Stage 2: build every split's indices, spread over ``ranks`` gloo processes when torch is
     installed (one process otherwise), then open the result here from the warm cache."""
-    from tokenloom.builder import build
-    from tokenloom.errors import BuildError
+    import tokenloom
+    from tokenloom import BuildError
 
     if ranks > 1 and importlib.util.find_spec("torch") is None:
         echo("  torch is not installed: building on 1 rank (pip install torch for the multi-rank build)")
@@ -198,7 +200,7 @@ def build_indices(config_path: str, *, ranks: int = 2, echo=print):
             if error is not None:
                 raise BuildError(f"demo build failed on rank {rank}: {error}")
             echo(f"  rank {rank}: {work[0]} items (estimated {work[1]:.2f} s of work)")
-    result = build(config_path)
+    result = tokenloom.build(config_path)
     for name in ("train", "valid", "test"):
         split = result.split(name)
         echo(f"  {name:<5} {split.num_samples:>7,} samples of {split.seq_length} tokens")
@@ -210,8 +212,8 @@ def build_indices(config_path: str, *, ranks: int = 2, echo=print):
 def serve_and_audit(result, output_dir: str, *, num_steps: int = 20, echo=print) -> list[dict]:
     """Stage 3: serve ``num_steps`` steps to every rank of a dp=2 x tp=2 x pp=2 job and report the
     realised mixture from the audit log."""
-    from tokenloom.serve import BatchGeometry, MixtureAudit, Topology, simulate_job
-    from tokenloom.serve.audit import read_audit_log, summarize_audit
+    from tokenloom.experimental import simulate_job
+    from tokenloom.serve import BatchGeometry, MixtureAudit, Topology, read_audit_log, summarize_audit
 
     topology = Topology(dp=2, tp=2, pp=2)
     geometry = BatchGeometry(global_batch_size=DEMO_GLOBAL_BATCH, micro_batch_size=4, dp=topology.dp)

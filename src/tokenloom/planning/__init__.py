@@ -12,33 +12,43 @@ will take, from the published formulas (Narayanan et al. 2021; Korthikanti et al
 
 The parts, split by concern: specs (inputs) -> formulas (published equations) -> layout (one
 candidate's cost) -> search (enumerate and rank) -> geometry (the file build and serve read) ->
-report (the table); api holds :func:`plan`, which takes presets and keyword fields.
+report (the table). :func:`tokenloom.plan` takes presets and keyword fields; this package
+exports the specs, :func:`plan_layout` over them, the presets and the report. The equations are
+:mod:`tokenloom.planning.formulas`, imported by name.
 """
 
-from tokenloom.planning import formulas
-from tokenloom.planning.api import plan
+from tokenloom import _moved
 from tokenloom.planning.data_geometry import DataGeometry
-from tokenloom.planning.formulas import (
-    activation_bytes,
-    activation_bytes_per_layer,
-    flops_per_iteration,
-    gpt_flops_per_iteration,
-    gpt_parameter_count,
-    model_state_bytes,
-    model_state_bytes_per_parameter,
-    parameter_count,
-    pipeline_bubble_fraction,
-    training_days_estimate,
-)
 from tokenloom.planning.layout import Layout, MemoryEstimate, evaluate_layout
-from tokenloom.planning.presets import GPU_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
+from tokenloom.planning.presets import cluster_preset, gpu_preset_names, model_preset, model_preset_names
 from tokenloom.planning.report import format_plan
 from tokenloom.planning.search import Plan, plan_layout
 from tokenloom.planning.specs import ClusterSpec, ModelSpec, PlanOptions, TrainingSpec
 
+#: Names this package exported before its face was curated, and the module each is imported from
+#: now; importing one from here still works, with a DeprecationWarning (:mod:`tokenloom._moved`).
+_MOVED = {
+    "plan": "tokenloom",
+    "activation_bytes": "tokenloom.planning.formulas",
+    "activation_bytes_per_layer": "tokenloom.planning.formulas",
+    "flops_per_iteration": "tokenloom.planning.formulas",
+    "gpt_flops_per_iteration": "tokenloom.planning.formulas",
+    "gpt_parameter_count": "tokenloom.planning.formulas",
+    "model_state_bytes": "tokenloom.planning.formulas",
+    "model_state_bytes_per_parameter": "tokenloom.planning.formulas",
+    "parameter_count": "tokenloom.planning.formulas",
+    "pipeline_bubble_fraction": "tokenloom.planning.formulas",
+    "training_days_estimate": "tokenloom.planning.formulas",
+    "GPU_PRESETS": "tokenloom.planning.presets",
+    "MODEL_PRESETS": "tokenloom.planning.presets",
+}
+
+
+def __getattr__(name: str) -> object:
+    return _moved.moved_attribute(__name__, name, _MOVED)
+
+
 __all__ = [
-    "GPU_PRESETS",
-    "MODEL_PRESETS",
     "ClusterSpec",
     "DataGeometry",
     "Layout",
@@ -47,21 +57,11 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "TrainingSpec",
-    "activation_bytes",
-    "activation_bytes_per_layer",
     "cluster_preset",
     "evaluate_layout",
-    "flops_per_iteration",
     "format_plan",
-    "formulas",
-    "gpt_flops_per_iteration",
-    "gpt_parameter_count",
+    "gpu_preset_names",
     "model_preset",
-    "model_state_bytes",
-    "model_state_bytes_per_parameter",
-    "parameter_count",
-    "pipeline_bubble_fraction",
-    "plan",
+    "model_preset_names",
     "plan_layout",
-    "training_days_estimate",
 ]

@@ -26,11 +26,7 @@ def plan(
     num_gpus: int | None = None,
     **fields: object,
 ) -> Plan:
-    """Plan a run. ``model`` and ``cluster`` are specs or preset names (:data:`MODEL_PRESETS`,
-    :data:`GPU_PRESETS`; a GPU preset needs ``num_gpus``). Instead of ``training`` and ``options``
-    objects, their fields may be given as keywords (``global_batch_size=1536, recompute="full"``);
-    ClusterSpec fields given as keywords override the preset or spec (``achieved_tflops=163``).
-    """
+    """:func:`tokenloom.plan`, whose docstring says what the arguments mean."""
     unknown = sorted(set(fields) - _OPTION_FIELDS - _TRAINING_FIELDS - _CLUSTER_FIELDS)
     if unknown:
         raise ConfigError(f"unknown plan arguments {unknown}; TrainingSpec fields are {sorted(_TRAINING_FIELDS)}, "

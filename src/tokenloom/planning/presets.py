@@ -63,4 +63,14 @@ def cluster_preset(name: str, *, num_gpus: int, **overrides: object) -> ClusterS
     return ClusterSpec(num_gpus=num_gpus, **{**gpu, **overrides})
 
 
-__all__ = ["GPU_PRESETS", "MODEL_PRESETS", "cluster_preset", "model_preset"]
+def model_preset_names() -> tuple[str, ...]:
+    """The names :func:`model_preset` knows, sorted (the CLI's ``--model`` choices)."""
+    return tuple(sorted(MODEL_PRESETS))
+
+
+def gpu_preset_names() -> tuple[str, ...]:
+    """The GPU names :func:`cluster_preset` knows, sorted (the CLI's ``--gpu`` choices)."""
+    return tuple(sorted(GPU_PRESETS))
+
+
+__all__ = ["GPU_PRESETS", "MODEL_PRESETS", "cluster_preset", "gpu_preset_names", "model_preset", "model_preset_names"]

@@ -9,6 +9,7 @@ Every dataclass is frozen and keyword-only and validates itself in ``__post_init
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tokenloom.errors import ConfigError
 from tokenloom.validate import is_integer, is_number
@@ -222,6 +223,9 @@ class TrainingSpec:
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """Choices that shape memory and the search. ``None`` on a parallel size means "search it"."""
+
+    recompute_choices: ClassVar[tuple[str, ...]] = RECOMPUTE_CHOICES
+    """The values ``recompute`` takes (the CLI's ``--recompute`` choices)."""
 
     recompute: str = "selective"
     """Activation recomputation: ``"none"``, ``"selective"`` (attention core) or ``"full"`` (layer input only)."""

@@ -102,6 +102,8 @@ def partition_indices(cu_seqlens_padded: np.ndarray, cp_size: int, cp_rank: int)
     return np.repeat(firsts, sizes) + offsets  # (T / cp,)
 
 
+# TODO(cp): checked against Transformer Engine's documented partitioning
+# (thd_get_partitioned_indices), not against Transformer Engine itself, which needs a GPU build.
 def partition_documents(fields: dict, seq_length: int, cp_size: int, cp_rank: int) -> dict:
     """Context-parallel rank ``cp_rank``'s share of a micro-batch in the packed THD form.
 

@@ -346,5 +346,5 @@ class DistributedBatches(RankSchedule):
         self._iterator = None
 
 
-__all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "batch_shapes",
-           "build_dataloader", "passthrough_collate", "tensor_parallel_group"]
+__all__ = ["DistributedBatches", "PackedBatch", "ServeDataset", "StatefulBatchSampler", "build_dataloader",
+           "passthrough_collate", "tensor_parallel_group"]

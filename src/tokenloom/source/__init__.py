@@ -12,41 +12,54 @@ the serving stage *consumes* them (through the :class:`SampleSource` protocol):
   built in memory from token stores, without a build;
 * ``gather`` -- the compiled row-copying kernels the readers use;
 * ``keys`` -- canonical JSON and the one :func:`build_key` a serving state is checked against;
-* ``provenance`` -- :func:`where` a sample's documents come from, :func:`find` the samples
-  holding a document, without replaying the stream.
+* ``provenance`` -- where a sample's documents come from (:class:`SampleOrigin`, :class:`Piece`),
+  the samples holding a document, and :func:`steps_of` them, without replaying the stream
+  (``split.where(positions)``, ``split.find(prefix, document)``).
+
+This package exports the contract and the sources a user opens or receives; readers, locators,
+kernels and keys stay importable from their modules.
 """
 
-from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, read_by_dataset
-from tokenloom.source.keys import build_key, canonical_json, hash_key
-from tokenloom.source.memory import MEGATRON_SURPLUS, StatelessBlendSource, StoreBlendSource
-from tokenloom.source.protocol import DatasetInfo, PieceRows, SampleSource, read_positions
-from tokenloom.source.provenance import Piece, SampleOrigin, find, steps_of, where
-from tokenloom.source.readers import DatasetReader, MegatronReader, StatelessReader, gather_gpt_samples, resolve_eod
+from tokenloom import _moved
+from tokenloom.source.blended import BlendedSource
+from tokenloom.source.memory import StatelessBlendSource, StoreBlendSource
+from tokenloom.source.protocol import DatasetInfo, PieceRows, SampleSource
+from tokenloom.source.provenance import Piece, SampleOrigin, steps_of
+
+#: Names this package exported before its face was curated, and the module each is imported from
+#: now; importing one from here still works, with a DeprecationWarning (:mod:`tokenloom._moved`).
+_MOVED = {
+    "ArrayLocator": "tokenloom.source.blended",
+    "BlendLocator": "tokenloom.source.blended",
+    "DirectLocator": "tokenloom.source.blended",
+    "read_by_dataset": "tokenloom.source.blended",
+    "build_key": "tokenloom.source.keys",
+    "canonical_json": "tokenloom.source.keys",
+    "hash_key": "tokenloom.source.keys",
+    "MEGATRON_SURPLUS": "tokenloom.source.memory",
+    "read_positions": "tokenloom.source.protocol",
+    "find": "tokenloom.source.provenance",
+    "where": "tokenloom.source.provenance",
+    "DatasetReader": "tokenloom.source.readers",
+    "MegatronReader": "tokenloom.source.readers",
+    "StatelessReader": "tokenloom.source.readers",
+    "gather_gpt_samples": "tokenloom.source.readers",
+    "resolve_eod": "tokenloom.source.readers",
+}
+
+
+def __getattr__(name: str) -> object:
+    return _moved.moved_attribute(__name__, name, _MOVED)
+
 
 __all__ = [
-    "MEGATRON_SURPLUS",
-    "ArrayLocator",
-    "BlendLocator",
     "BlendedSource",
     "DatasetInfo",
-    "DatasetReader",
-    "DirectLocator",
-    "MegatronReader",
     "Piece",
     "PieceRows",
     "SampleOrigin",
     "SampleSource",
     "StatelessBlendSource",
-    "StatelessReader",
     "StoreBlendSource",
-    "build_key",
-    "canonical_json",
-    "find",
-    "gather_gpt_samples",
-    "hash_key",
-    "read_by_dataset",
-    "read_positions",
-    "resolve_eod",
     "steps_of",
-    "where",
 ]

@@ -308,6 +308,9 @@ def _guard(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]], enco
             "written. Encode with the tokenizers library (engine='hf'), and report the document to gigatoken")
 
 
+# TODO(tokenize): parsing the JSON lines and gathering the ids run in Python around gigatoken's
+# batch encode, which keeps tokenize below gigatoken's own encode per CPU-second (BENCHMARKS.md,
+# "Tokenize"); moving them under the released GIL is what is left.
 def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
     texts: list[str] = []
     where: list[tuple[str, int]] = []

@@ -39,6 +39,8 @@ def pack(ctx: BuildContext) -> None:
     mine = [item for item in missing if assignment[item.key] == ctx.rank]
     counts: dict[str, dict[str, int] | None] = {}
     records: dict[str, dict] = {}
+    # TODO(space): the chunks are written before the free-space check, which needs the plan and so
+    # comes after this phase; a check of the chunks' own estimate here would stop a full disk earlier.
     packs = None if ctx.dry_run else PackWriter(ctx.cache)
     poller = ProgressPoller(ctx.cache, [], None, poll=False)
     try:
