@@ -28,12 +28,16 @@ from tokenloom.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tokenloom.builder import BuildPlan, BuildResult
-    from tokenloom.planning import Plan
+    import os
+    from collections.abc import Callable, Mapping
+
+    from tokenloom.builder import BuildConfig, BuildPlan, BuildResult
+    from tokenloom.planning import ClusterSpec, ModelSpec, Plan, PlanOptions, TrainingSpec
 
 
-def build(config: Any, group: Any = None, *, dry_run: bool = False, on_progress: Any = None,
-          on_plan: Any = None) -> BuildResult | BuildPlan:
+def build(config: BuildConfig | Mapping[str, Any] | str | os.PathLike, group: Any = None, *, dry_run: bool = False,
+          on_progress: Callable[[int, int], None] | None = None,
+          on_plan: Callable[[BuildPlan, frozenset[str]], None] | None = None) -> BuildResult | BuildPlan:
     """Build (or reuse from the cache) every index of ``config`` and open them on every rank.
 
     ``config`` is a :class:`tokenloom.builder.BuildConfig`, a mapping, or a YAML/JSON path (its
@@ -52,8 +56,8 @@ def build(config: Any, group: Any = None, *, dry_run: bool = False, on_progress:
     return build_indices(config, group, dry_run=dry_run, on_progress=on_progress, on_plan=on_plan)
 
 
-def plan(model: Any, cluster: Any, training: Any = None, options: Any = None, *, num_gpus: int | None = None,
-         **fields: Any) -> Plan:
+def plan(model: ModelSpec | str, cluster: ClusterSpec | str, training: TrainingSpec | None = None,
+         options: PlanOptions | None = None, *, num_gpus: int | None = None, **fields: Any) -> Plan:
     """Plan a training run's 3D-parallel layout and batch geometry.
 
     ``model`` and ``cluster`` are a :class:`tokenloom.planning.ModelSpec` and
