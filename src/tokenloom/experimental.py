@@ -29,8 +29,12 @@ if TYPE_CHECKING:  # pragma: no cover
 def __getattr__(name: str) -> Any:
     """:class:`GrainSource`, imported (with grain) on first use."""
     if name == "GrainSource":
-        from tokenloom.serve.grain_adapter import GrainSource
-
+        try:
+            from tokenloom.serve.grain_adapter import GrainSource
+        except ModuleNotFoundError as exc:
+            if exc.name != "grain":
+                raise
+            raise ImportError('tokenloom.experimental.GrainSource needs grain: pip install "tokenloom[grain]"') from exc
         return GrainSource
     raise AttributeError(f"module 'tokenloom.experimental' has no attribute {name!r}")
 
