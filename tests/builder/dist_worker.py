@@ -3,7 +3,7 @@
 Joins a gloo group on 127.0.0.1, runs each step (a build with an optional injected fault), and
 writes ``OUT_DIR/rank{RANK}.json`` with every step's outcome. A step is a mapping:
 
-* ``config``: the build config mapping (``{rank}`` in cache_dir is replaced by the rank);
+* ``config``: the build config mapping (``{rank}`` in any of its strings is replaced by the rank);
 * ``fault``: optional ``{"rank": r, "item_kind": "gpt"|"blend"|"pack", "action": "raise"|"kill"|"hang"}``
   ("hang" stops the process with SIGSTOP: alive, its sockets open, never answering);
 * ``dry_run``: optional bool.
@@ -35,8 +35,7 @@ def main() -> None:
                             world_size=world, timeout=timedelta(seconds=60))
     try:
         for step in steps:
-            config = dict(step["config"])
-            config["cache_dir"] = config["cache_dir"].replace("{rank}", str(rank))
+            config = json.loads(json.dumps(step["config"]).replace("{rank}", str(rank)))
             fault = step.get("fault")
 
             def before_item(item, build_rank, fault=fault):

@@ -41,10 +41,16 @@ def scenario(tmp_path_factory):
         # 7: best-fit packing, rank 1 raising in its first chunk
         {"config": blend_config(prefixes, root / "bf_fault", packing="best_fit", megatron_tokenizer=None),
          "fault": {"rank": 1, "item_kind": "pack", "action": "raise"}},
-        # 8: rank 2 killed in its first dataset item (the group is unusable afterwards: last step)
+        # 8: epoch budgets, one of the budgeted stores on a node-local disk that rank 1 lacks
+        {"config": blend_config([prefixes[0], str(root / "node{rank}" / "store0")], root / "budgets",
+                                blend={"prefixes": [prefixes[0], str(root / "node{rank}" / "store0")],
+                                       "epochs": [1.0, 2.0]}, train_samples=None)},
+        # 9: rank 2 killed in its first dataset item (the group is unusable afterwards: last step)
         {"config": blend_config(prefixes, root / "killed", seed=9, timeout_s=20.0),
          "fault": {"rank": 2, "item_kind": "gpt", "action": "kill"}},
     ]
+    for rank in (0, 2):  # rank 1's node lacks it
+        make_stores(root / f"node{rank}", count=1)
     (root / "out").mkdir()
     results = launch(WORLD, steps, root / "out", timeout_s=240)
     return root, prefixes, results
@@ -151,9 +157,24 @@ def test_a_failing_chunk_fails_every_rank_with_the_same_error(scenario):
 
 
 @pytest.mark.timeout(300)
+def test_a_budgeted_store_missing_on_one_rank_fails_every_rank_with_its_message(scenario):
+    """Resolving epoch budgets reads the stores before any item: rank 1's missing store is every
+    rank's error at once, not rank 1's alone while the others wait for the group."""
+    root, _, results = scenario
+    outcomes = _step(results, 8)
+    assert all(o is not None and not o["ok"] for o in outcomes), outcomes
+    messages = {o["error"] for o in outcomes}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert f"no token store at {root / 'node1' / 'store0'}" in message, message
+    assert message.endswith("[rank 1, resolve phase]"), message
+    assert all(o["seconds"] < 60.0 for o in outcomes)  # well inside the group's timeout (60 s)
+
+
+@pytest.mark.timeout(300)
 def test_a_killed_rank_makes_the_others_fail_with_a_clear_error(scenario):
     root, prefixes, results = scenario
-    outcomes = _step(results, 8)
+    outcomes = _step(results, 9)
     assert outcomes[2] is None  # the killed rank wrote nothing
     for rank in (0, 1):
         outcome = outcomes[rank]

@@ -42,7 +42,7 @@ class Failure:
     rank: int
     """Rank in the build's group."""
     phase: str
-    """``fingerprint``, ``build``, ``transfer``, ``finalize``."""
+    """``resolve``, ``fingerprint``, ``pack``, ``plan``, ``build``, ``transfer``, ``finalize``."""
     item: str | None
     """The item or store being worked on, or None."""
     error_type: str

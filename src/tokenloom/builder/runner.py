@@ -1,7 +1,7 @@
 """``tokenloom.build(config, group=None)``: the build's entry point, and the order of its phases.
 
 :func:`build` opens the build's groups and runs :func:`run`, which calls the phases on every rank
-in order -- warm start or fingerprint, pack, plan, build, transfer, finalize, open -- and records
+in order -- resolve, warm start or fingerprint, pack, plan, build, transfer, finalize, open -- and records
 each one's wall and CPU seconds. The phases themselves live in :mod:`tokenloom.builder.phases`
 (one module each, listed there in order) and share one
 :class:`~tokenloom.builder.context.BuildContext`.
@@ -29,6 +29,7 @@ from tokenloom.builder.phases.finalize import finalize, open_result
 from tokenloom.builder.phases.fingerprint import fingerprint, warm_start
 from tokenloom.builder.phases.pack import pack
 from tokenloom.builder.phases.plan import make_plan, plan_from_record
+from tokenloom.builder.phases.resolve import resolve
 from tokenloom.builder.phases.transfer import transfer
 from tokenloom.builder.result import BuildResult
 
@@ -43,12 +44,13 @@ def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCal
           _before_item: Callable[[WorkItem, int], None] | None = None):
     """:func:`tokenloom.build`, whose docstring says what the arguments mean; ``_before_item(item,
     rank)`` is a test hook called before each item is built."""
-    # TODO(ranks): a store missing on one rank only (a node-local disk) fails that rank here, before
-    # the group exists, so the others wait for their timeout instead of failing with its message.
-    config = as_build_config(config).resolve()  # the step that reads files (epoch budgets)
+    # TODO(ranks): a config file missing on one rank only fails that rank here, before the group
+    # exists (its timeout is in the file), so the others wait for their timeout.
+    config = as_build_config(config)
     group, owned = open_group(group, timeout_s=config.timeout_s)
     blend_group = None
     try:
+        config = resolve(config, group)  # the step that reads files (epoch budgets), agreed on
         blend_group = group.sibling()  # divided blends talk on their own group, beside the items
         return run(BuildContext(config, group, blend_group, on_progress=on_progress, on_plan=on_plan,
                                 before_item=_before_item, dry_run=dry_run))

@@ -3,6 +3,9 @@
 Each phase is a function of the build's :class:`tokenloom.builder.context.BuildContext`, in a
 module of its own:
 
+First **resolve** (:mod:`.resolve`): the config's epoch budgets become sample counts (each
+budgeted store's ``.idx`` read), and the ranks agree that every one of them could. Then:
+
 0. **warm start** (:mod:`.fingerprint`) -- when the last build of this config kept its plan and
    every rank proves its share of the stores unchanged (:mod:`tokenloom.builder.starts`), the
    ranks take that plan and skip 1 and most of 2;
