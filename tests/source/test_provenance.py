@@ -195,6 +195,25 @@ def test_the_where_and_find_commands(built, stores, capsys, tmp_path):
     assert "expected 0 <= A < B" in capsys.readouterr().err
 
 
+def test_where_shows_a_store_as_typed_from_here(built, stores, capsys, tmp_path, monkeypatch):
+    """Text output names a store relative to the current directory when it lies below it (as the
+    user would type it), else by its full path; ``--json`` always gives the full path."""
+    mode, blended, _ = built
+    config = tmp_path / "build.json"
+    config.write_text(json.dumps(_config(stores, blended.cache.root, mode)))
+    assert cli_main(["where", str(config), "--positions", "0", "--json"]) == 0
+    prefix = json.loads(capsys.readouterr().out)[0]["prefix"]
+    assert os.path.isabs(prefix)
+    monkeypatch.chdir(os.path.dirname(prefix))
+    assert cli_main(["where", str(config), "--positions", "0"]) == 0
+    assert f"({os.path.basename(prefix)})" in capsys.readouterr().out
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli_main(["where", str(config), "--positions", "0"]) == 0
+    assert f"({prefix})" in capsys.readouterr().out
+
+
 def test_where_text_decodes_a_byte_store(tmp_path, capsys):
     from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
 

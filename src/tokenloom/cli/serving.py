@@ -166,6 +166,15 @@ def _document_boundaries(source, positions: np.ndarray) -> list[dict]:
     return out
 
 
+def _as_typed(prefix: str) -> str:
+    """A store as a user here would type it: relative to the current directory when it lies below
+    it, else as it is (an absolute path, an object-store URL). ``--json`` keeps the full path."""
+    if "://" in prefix or not os.path.isabs(prefix):
+        return prefix
+    relative = os.path.relpath(prefix)
+    return prefix if relative == ".." or relative.startswith(".." + os.sep) else relative
+
+
 def run_where(args: argparse.Namespace) -> int:
     source = _open_split(args.config, args.split)
     positions = _positions(args)
@@ -187,7 +196,7 @@ def run_where(args: argparse.Namespace) -> int:
         print(json.dumps(records))
         return 0
     for record in records:
-        print(f"position {record['position']}  dataset {record['dataset']} ({record['prefix']})  "
+        print(f"position {record['position']}  dataset {record['dataset']} ({_as_typed(record['prefix'])})  "
               f"sample {record['sample']}")
         for piece in record["pieces"]:
             print(f"  document {piece['document']:>10}  tokens {piece['offset']}..{piece['offset'] + piece['length']}"

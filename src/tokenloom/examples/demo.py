@@ -113,14 +113,13 @@ DEMO_GLOBAL_BATCH = 32
 
 def write_build_config(output_dir: str, stores: list[DemoStore]) -> str:
     """Stage 2's input: a build config in Megatron's vocabulary, written where a user can rerun it
-    with ``tokenloom build``."""
+    with ``tokenloom build``. Its paths are relative to the config's folder (where a config file's
+    relative paths point), so the folder can move and keep its build key and its cache."""
     import yaml
 
-    # TODO(demo): the paths are absolute, so the folder cannot move. Config-relative paths would
-    # allow relative ones, but they change the build key, which the README's outputs show.
     blend: list[str] = []
     for store in stores:
-        blend += [str(DEMO_WEIGHTS[store.name]), os.path.abspath(store.prefix)]
+        blend += [str(DEMO_WEIGHTS[store.name]), os.path.relpath(store.prefix, output_dir)]
     config = {
         "blend": blend,
         "split": "98,1,1",
@@ -130,7 +129,7 @@ def write_build_config(output_dir: str, stores: list[DemoStore]) -> str:
         "global_batch_size": DEMO_GLOBAL_BATCH,
         "eval_interval": 100,
         "eval_iters": 4,
-        "cache": os.path.abspath(os.path.join(output_dir, "cache")),
+        "cache": "cache",
         "timeout_s": 300,
     }
     path = os.path.join(output_dir, "build.yaml")
