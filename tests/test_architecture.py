@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import json
 import pathlib
 import re
@@ -100,6 +101,69 @@ def test_no_cycle_between_parts():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("tokenloom", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)
+
+
+MODULE_NAMES = {_module_name(path): path for path in MODULES}
+
+
+def _module_imports(path: pathlib.Path) -> dict[str, int]:
+    """The tokenloom modules ``path`` imports, each with the line of its first import there: at
+    the top, under ``if TYPE_CHECKING:`` or inside a function alike (a lazy import still needs the
+    other module to be importable first, and a reader still has to read both).
+
+    ``from a.b import c`` imports module ``a.b.c`` where that is a module, else ``a.b`` (for a
+    package, its ``__init__``). Importing ``a.b.c`` runs the package's ``__init__`` first, but that
+    edge is not counted: an ``__init__`` that imports its submodules, which import their siblings,
+    forms no cycle unless a submodule imports the package itself back (``from a.b import name``)."""
+    this = _module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULE_NAMES else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target in MODULE_NAMES and target != this:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def test_no_cycle_between_modules():
+    """No two modules need each other, however they import: not at the top, not under
+    ``if TYPE_CHECKING:``, not inside a function. Where two do, the piece both need moves down
+    into a third module (or one passes the other a value)."""
+    graph = {name: _module_imports(path) for name, path in MODULE_NAMES.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[str] = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                loop = [*trail[trail.index(nxt):], node, nxt]
+                cycles.append(" -> ".join(f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(loop))
+                              + f" -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 @pytest.mark.parametrize("module", ["tokenloom", "tokenloom.io", "tokenloom.index", "tokenloom.source",
@@ -287,6 +351,46 @@ def test_a_face_exports_only_what_its_own_package_defines(face):
         if not inside:
             foreign.append(f"{name} (from {source})")
     assert not foreign, f"{face} re-exports {foreign}"
+
+
+def _module_level(statements: list[ast.stmt]):
+    """The statements run when a module is imported: its body, into ``if``/``try``/``with`` blocks
+    (``if TYPE_CHECKING:`` included) but not into functions or classes."""
+    for node in statements:
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _module_level(handler.body)
+
+
+def test_no_internal_module_re_exports_a_name():
+    """A name is imported from the module that defines it: a module that is neither a package's
+    ``__init__`` nor the experimental face (the public faces, where a moved name may stay, once)
+    binds no name only to hand it on. ruff already flags an import a module does not use, except
+    through the two ways of saying "re-exported": ``from a import b as b`` and ``b`` in
+    ``__all__``; these are flagged here, with the lazy way, a module-level ``__getattr__``."""
+    found = []
+    for name, path in MODULE_NAMES.items():
+        if path.name == "__init__.py" or name == EXPERIMENTAL:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(SRC)
+        imported: dict[str, int] = {}
+        exported: list[str] = []
+        for node in _module_level(tree.body):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.asname == alias.name:  # `import a.b as b` is a plain import, not this
+                        found.append(f"{where}:{node.lineno}: imports {alias.name} as {alias.asname}")
+                    imported.setdefault(alias.asname or alias.name.partition(".")[0], node.lineno)
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                exported = list(ast.literal_eval(node.value))
+            elif isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                found.append(f"{where}:{node.lineno}: a module-level __getattr__ hands out names defined elsewhere")
+        found += [f"{where}:{imported[n]}: exports {n!r} in __all__, imported there" for n in exported if n in imported]
+    assert not found, "names re-exported by internal modules (import them from their home):\n" + "\n".join(found)
 
 
 def test_no_name_has_two_homes():

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 import tokenloom
 import tokenloom.builder as tb
 from build_fixtures import blend_config, cache_files, make_stores, write_store
-from tokenloom.builder.cache import Cache, write_npy
+from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import assign_lpt, plan_build, ranges_for
+from tokenloom.builder.packs import write_npy
 from tokenloom.builder.runner import build as build_with_hooks
 from tokenloom.builder.stores import fingerprint_store
 from tokenloom.errors import BuildError, ConfigError, FormatError
@@ -268,7 +269,7 @@ sys.stdin.readline()  # until the test has published the item
 
 def _publish(root, key):
     """Publish item ``key`` into the cache at ``root`` as another job would (its own Cache)."""
-    from tokenloom.builder.cache import PackWriter
+    from tokenloom.builder.packs import PackWriter
 
     writer = PackWriter(Cache(str(root)))
     writer.add(key, {"a": np.arange(4, dtype=np.int64)}, {"kind": "test"})
@@ -411,7 +412,7 @@ def test_blend_blocks_do_not_leave_ranks_a_block_apart():
 
 
 def test_shuffle_workers_only_where_a_core_is_spare():
-    from tokenloom.builder.runner import MIN_BACKGROUND_WORK_S, shuffle_workers
+    from tokenloom.builder.phases.build_items import MIN_BACKGROUND_WORK_S, shuffle_workers
 
     much = MIN_BACKGROUND_WORK_S * 4
     assert shuffle_workers(1, much, cores_per_rank=2) == 1  # one rank on 2 cores: a worker

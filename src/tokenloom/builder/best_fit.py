@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.cache import CACHE_FORMAT_VERSION, Cache
+from tokenloom.builder.cache import Cache
+from tokenloom.builder.packs import CACHE_FORMAT_VERSION
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError
 from tokenloom.index.best_fit_index import (

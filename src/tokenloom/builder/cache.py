@@ -29,8 +29,8 @@ Where each concern lives: this module holds :class:`Cache` (the directory, the l
 and the records they index, opening arrays, manifests); :mod:`tokenloom.builder.packs` the pack
 format (.npy headers, hashed writes, array digests, writing a pack and its index, reading them back,
 :class:`PackWriter`); :mod:`tokenloom.builder.cache_locks` the item locks (``locks/items.lock``);
-:mod:`tokenloom.builder.cache_verify` :func:`verify_cache`. Every name imported from this module
-before the split still is.
+:mod:`tokenloom.builder.cache_verify` :func:`verify_cache`. Their imports run one way (verify ->
+this module -> packs, locks), so each name is imported from the module that defines it.
 """
 
 from __future__ import annotations
@@ -40,51 +40,29 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tokenloom.builder.cache_locks import LOCKS_DIR, ItemLocks
-from tokenloom.builder.packs import ALIGNMENT as ALIGNMENT  # re-exported: importable from here as before
 from tokenloom.builder.packs import (
-    CACHE_FORMAT_VERSION,
     KEYS_SUFFIX,
     PACKS_DIR,
     TMP_DIR,
-    PackWriter,
     PendingItem,
-    array_digest,
     not_indexed_error,
-    npy_header,
     read_pack_index,
     read_pack_keys,
-    root_digest,
-    sha256_range,
-    write_npy,
     write_pack,
-    write_pack_index,
 )
 from tokenloom.errors import BuildError, FormatError
 from tokenloom.io.writer import write_json_arrays_atomic
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tokenloom.builder.cache_verify import VerifyReport, verify_cache
 
 BUILDS_DIR = "builds"
 
 #: How old the last listing of the packs may be when a build asks, after taking an item's lock
 #: uncontended, whether another job published the item (:meth:`Cache.built_elsewhere`).
 RELIST_S = 0.1
-
-
-def __getattr__(name: str) -> Any:
-    """``VerifyReport`` and ``verify_cache``, from :mod:`tokenloom.builder.cache_verify` (which
-    imports this module, so they are looked up when first asked for, not imported above)."""
-    if name in ("VerifyReport", "verify_cache"):
-        from tokenloom.builder import cache_verify
-
-        return getattr(cache_verify, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def host_record() -> dict[str, Any]:
@@ -349,17 +327,4 @@ class Cache:
         return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".json"))
 
 
-__all__ = [
-    "CACHE_FORMAT_VERSION",
-    "Cache",
-    "PackWriter",
-    "VerifyReport",
-    "array_digest",
-    "host_record",
-    "npy_header",
-    "root_digest",
-    "sha256_range",
-    "verify_cache",
-    "write_npy",
-    "write_pack_index",
-]
+__all__ = ["Cache", "host_record"]

@@ -8,11 +8,6 @@ place. Best-fit chunks have their own constants (:mod:`tokenloom.builder.best_fi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tokenloom.builder.items import WorkItem
-
 #: Seconds per unit of work on one core, measured on the benchmark machine (BENCHMARKS.md); only
 #: ratios matter for the assignment, the absolute values feed the dry-run estimate.
 COST_PER_DOCUMENT_POSITION_S = 25e-9
@@ -60,11 +55,13 @@ def stateless_blend_cost(num_datasets: int) -> float:
     return COST_PER_ITEM_S + 1e-6 * num_datasets
 
 
-def range_cost(item: WorkItem, positions: int) -> float:
-    """Seconds on one core to compute and write ``positions`` positions of a divided blend."""
+def range_cost(positions: int, *, cost_s: float, num_samples: int) -> float:
+    """Seconds on one core to compute and write ``positions`` positions of a divided blend whose
+    item is estimated at ``cost_s`` for all its ``num_samples`` positions (the item's numbers, not
+    the item: :mod:`tokenloom.builder.items` imports this module)."""
     if positions <= 0:
         return 0.0
-    return COST_PER_ITEM_S + (item.cost_s - COST_PER_ITEM_S) * positions / max(1, item.num_samples)
+    return COST_PER_ITEM_S + (cost_s - COST_PER_ITEM_S) * positions / max(1, num_samples)
 
 
 __all__ = [

@@ -28,9 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.builder.config import BuildConfig
-from tokenloom.builder.cost_model import COST_PER_BLEND_SAMPLE_S as COST_PER_BLEND_SAMPLE_S  # importable here as before
 from tokenloom.builder.cost_model import (
     COST_PER_ITEM_S,
     COST_PER_MANIFEST_ITEM_S,
@@ -41,6 +39,7 @@ from tokenloom.builder.cost_model import (
     stateless_gpt_cost,
 )
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
+from tokenloom.builder.packs import CACHE_FORMAT_VERSION
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
@@ -140,7 +139,8 @@ class BuildPlan:
         for key, bounds in self.divided.items():
             item = by_key[key]
             for rank in range(self.world_size):
-                loads[rank] += range_cost(item, bounds[rank + 1] - bounds[rank])
+                loads[rank] += range_cost(bounds[rank + 1] - bounds[rank], cost_s=item.cost_s,
+                                          num_samples=item.num_samples)
         return loads
 
     @property

@@ -5,7 +5,8 @@ offset, with its index (``.json``) and key list (``.keys``) beside it; the layou
 directory is described in :mod:`tokenloom.builder.cache`. Here: the .npy header and hashed writes,
 array digests (whole or in blocks), writing a pack and its index (:func:`write_pack`,
 :func:`write_pack_index`), reading an index and a key list back, and :class:`PackWriter`, which
-collects items and publishes them on a background thread.
+collects items and publishes them on a background thread through a :class:`PackPublisher` (a
+:class:`~tokenloom.builder.cache.Cache` is one; the cache imports this module, not the reverse).
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from tokenloom.errors import FormatError
 from tokenloom.io.space import full_disk_error, is_full
 from tokenloom.io.writer import fsync_dir, write_bytes_atomic, write_json_atomic
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tokenloom.builder.cache import Cache
 
 #: Version of the cache layout and key material; bump it when either changes.
 CACHE_FORMAT_VERSION = 1
@@ -222,6 +220,14 @@ def not_indexed_error(path: str, key: str) -> FormatError:
 # ------------------------------------------------------------------------------------ the writer
 
 
+class PackPublisher(Protocol):
+    """Where a :class:`PackWriter` publishes its packs: :class:`~tokenloom.builder.cache.Cache` is
+    the one the build uses (its ``publish_pack`` also learns the records it wrote)."""
+
+    def publish_pack(self, items: list[PendingItem]) -> str:
+        """Write ``items`` as one pack and publish it; returns the pack's .bin path."""
+
+
 class PackWriter:
     """Collects finished items and publishes them in packs on a background thread.
 
@@ -230,7 +236,7 @@ class PackWriter:
     collected; ``close`` publishes the rest and waits, re-raising the first failure.
     """
 
-    def __init__(self, cache: Cache, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 1) -> None:
+    def __init__(self, cache: PackPublisher, *, pack_bytes: int = PACK_BYTES, max_pending_packs: int = 1) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.cache = cache
@@ -292,6 +298,7 @@ __all__ = [
     "PACKS_DIR",
     "PACK_BYTES",
     "TMP_DIR",
+    "PackPublisher",
     "PackWriter",
     "PendingItem",
     "array_digest",

@@ -24,7 +24,8 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.best_fit_index import BestFitIndex, BestFitPlan
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
-from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, Locator
+from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator
+from tokenloom.source.protocol import Locator
 from tokenloom.source.readers import BestFitReader, DatasetReader, MegatronReader, StatelessReader, StoreOpener
 
 

@@ -22,9 +22,7 @@ from tokenloom.builder.collective import agree, collector_paused, open_group
 from tokenloom.builder.config import as_build_config
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.items import BuildPlan, WorkItem
-from tokenloom.builder.phases.build_items import MIN_BACKGROUND_WORK_S as MIN_BACKGROUND_WORK_S
 from tokenloom.builder.phases.build_items import build_items
-from tokenloom.builder.phases.build_items import shuffle_workers as shuffle_workers
 from tokenloom.builder.phases.finalize import finalize, open_result
 from tokenloom.builder.phases.fingerprint import fingerprint, warm_start
 from tokenloom.builder.phases.pack import pack

@@ -46,10 +46,10 @@ import numpy as np
 
 from tokenloom._version import __version__
 from tokenloom.builder import stores as _stores
-from tokenloom.builder.cache import CACHE_FORMAT_VERSION
 from tokenloom.builder.collective import collector_paused
 from tokenloom.builder.config import BuildConfig
 from tokenloom.builder.items import SplitPlan, WorkItem
+from tokenloom.builder.packs import CACHE_FORMAT_VERSION
 from tokenloom.builder.stores import FingerprintMemo, StoreInfo
 from tokenloom.io import s3
 from tokenloom.io.format import bin_path, idx_path, normalize_prefix

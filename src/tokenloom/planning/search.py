@@ -17,7 +17,7 @@ from typing import Any
 from tokenloom.errors import ConfigError
 from tokenloom.planning import formulas
 from tokenloom.planning.data_geometry import DataGeometry
-from tokenloom.planning.layout import GIB, Layout, evaluate_layout
+from tokenloom.planning.layout import Layout, evaluate_layout
 from tokenloom.planning.specs import ClusterSpec, ModelSpec, PlanOptions, TrainingSpec
 
 
@@ -266,4 +266,4 @@ def plan_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     )
 
 
-__all__ = ["GIB", "Plan", "plan_layout"]
+__all__ = ["Plan", "plan_layout"]

@@ -1,8 +1,9 @@
 """The one blended source: global positions -> (dataset, sample) -> tokens, over one reader per dataset.
 
-A :class:`BlendedSource` is one split of a build. A *locator* says which dataset and which of its
-samples sit at each global position; one reader per dataset (:mod:`tokenloom.source.readers`)
-turns sample ids into tokens. Three locators cover every build:
+A :class:`BlendedSource` is one split of a build. A *locator* (the contract:
+:class:`~tokenloom.source.protocol.Locator`) says which dataset and which of its samples sit at
+each global position, and which positions hold given samples; one reader per dataset
+(:mod:`tokenloom.source.readers`) turns sample ids into tokens. Three locators cover every build:
 
 * :class:`ArrayLocator` -- megatron-core's ``dataset_index`` / ``dataset_sample_index`` arrays
   (exact mode; in memory or memory-mapped from the cache);
@@ -20,7 +21,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 import numpy as np
 
@@ -28,20 +28,14 @@ from tokenloom.errors import ConfigError, PositionError
 from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
 from tokenloom.io.s3 import settings
-from tokenloom.source.protocol import DatasetInfo, PieceRows
+from tokenloom.source.protocol import DatasetInfo, Locator, PieceRows
+from tokenloom.source.provenance import SampleOrigin, find, where
 from tokenloom.source.readers import DatasetReader, resolve_eod
 from tokenloom.validate import check_positions
 
-
-class Locator(Protocol):
-    """Where each global position of a blend comes from."""
-
-    @property
-    def num_samples(self) -> int:
-        """Positions in the blend."""
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(dataset_ids, sample_ids)`` int64 of in-range ``positions`` (int64)."""
+#: Positions of the blend arrays one step of :meth:`ArrayLocator.positions_of` reads (bounds the
+#: memory of a pass over arrays as long as the blend).
+_PASS_POSITIONS = 1 << 24
 
 
 class ArrayLocator:
@@ -94,6 +88,18 @@ class ArrayLocator:
         return (np.asarray(self.dataset_index[positions], dtype=np.int64),
                 np.asarray(self.dataset_sample_index[positions], dtype=np.int64))
 
+    def positions_of(self, dataset_id: int, sample_ids: np.ndarray) -> np.ndarray:
+        """Ascending positions holding samples ``sample_ids`` of dataset ``dataset_id``: one pass over
+        the blend arrays (:class:`~tokenloom.source.protocol.Locator`)."""
+        out = []
+        wanted = np.unique(sample_ids)
+        for begin in range(0, self.num_samples, _PASS_POSITIONS):
+            datasets = np.asarray(self.dataset_index[begin:begin + _PASS_POSITIONS])
+            mine = np.flatnonzero(datasets == dataset_id)
+            samples = np.asarray(self.dataset_sample_index[begin:begin + _PASS_POSITIONS])[mine]
+            out.append(begin + mine[np.isin(samples, wanted)])
+        return np.concatenate(out)
+
 
 class BlendLocator:
     """tokenloom's closed-form blend: positions are located on demand (stateless mode)."""
@@ -109,6 +115,12 @@ class BlendLocator:
         dataset_ids, sample_ids = self.blend.lookup(positions)
         return np.asarray(dataset_ids, dtype=np.int64), np.asarray(sample_ids, dtype=np.int64)
 
+    def positions_of(self, dataset_id: int, sample_ids: np.ndarray) -> np.ndarray:
+        """Ascending positions holding samples ``sample_ids`` of dataset ``dataset_id``: the blend
+        takes the first ``counts[dataset_id]`` of them, each where the closed form places it."""
+        kept = sample_ids[sample_ids < int(self.blend.counts[dataset_id])]
+        return np.sort(self.blend.positions_of(np.full(kept.shape[0], dataset_id, dtype=np.int64), kept))
+
 
 class DirectLocator:
     """One dataset, unblended: position ``i`` is sample ``i`` of dataset 0."""
@@ -122,6 +134,10 @@ class DirectLocator:
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(positions.shape, dtype=np.int64), positions.astype(np.int64, copy=True)
+
+    def positions_of(self, dataset_id: int, sample_ids: np.ndarray) -> np.ndarray:
+        """Position ``i`` holds sample ``i``: the ``sample_ids`` inside the split."""
+        return sample_ids[sample_ids < self.num_samples]
 
 
 def read_by_dataset(dataset_ids, sample_ids, *, datasets: Sequence[DatasetInfo | DatasetReader], width: int,
@@ -285,18 +301,14 @@ class BlendedSource:
         return self.read_samples(*self.locate(np.array([position])))[0]
 
     # -- provenance (tokenloom.source.provenance) -----------------------------------------------
-    def where(self, positions) -> list:
+    def where(self, positions) -> list[SampleOrigin]:
         """The dataset, store and document pieces of the sample at each global position
         (:func:`tokenloom.source.provenance.where`)."""
-        from tokenloom.source.provenance import where
-
         return where(self, positions)
 
     def find(self, prefix: str, document: int) -> np.ndarray:
         """Ascending global positions whose sample holds tokens of ``prefix``'s document
         ``document`` (:func:`tokenloom.source.provenance.find`)."""
-        from tokenloom.source.provenance import find
-
         return find(self, prefix, document)
 
     # -- views of the locator -------------------------------------------------------------------
@@ -320,4 +332,4 @@ class BlendedSource:
                 f"num_samples={self.num_samples}, seq_length={self._seq_length}, build_key={self._build_key[:12]})")
 
 
-__all__ = ["ArrayLocator", "BlendLocator", "BlendedSource", "DirectLocator", "Locator", "read_by_dataset"]
+__all__ = ["ArrayLocator", "BlendLocator", "BlendedSource", "DirectLocator", "read_by_dataset"]

@@ -13,6 +13,10 @@ dataset of the blend. Serving asks it two things, both vectorised over many posi
 ``tokenloom.build(...).split(name)`` returns an object with this interface, as do
 ``StoreBlendSource`` and ``StatelessBlendSource`` (:mod:`tokenloom.source.memory`), which build
 one split in memory from token stores; all three are :class:`~tokenloom.source.blended.BlendedSource`.
+
+A blended source places its positions with a :class:`Locator`; the contract lives here because both
+the blended source and provenance (:mod:`tokenloom.source.provenance`, which the blended source calls
+for ``where`` and ``find``) read locators.
 """
 
 from __future__ import annotations
@@ -97,9 +101,26 @@ class SampleSource(Protocol):
         ``pad_id``; sample ``j`` of dataset ``d`` is row ``j`` of that dataset's index."""
 
 
+class Locator(Protocol):
+    """Where each global position of a blend comes from.
+
+    ``positions_of(dataset_id, sample_ids)`` (optional) is the inverse: the global positions that
+    hold samples ``sample_ids`` (int64, non-empty) of dataset ``dataset_id``, where a sample the
+    blend never takes has none. ``find`` and quarantines need it; the three locators of
+    :mod:`tokenloom.source.blended` have it.
+    """
+
+    @property
+    def num_samples(self) -> int:
+        """Positions in the blend."""
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset_ids, sample_ids)`` int64 of in-range ``positions`` (int64)."""
+
+
 def read_positions(source: SampleSource, positions) -> np.ndarray:
     """Tokens at global positions: ``source.read_samples(*source.locate(positions))``."""
     return source.read_samples(*source.locate(np.asarray(positions, dtype=np.int64)))
 
 
-__all__ = ["DatasetInfo", "PieceRows", "SampleSource", "read_positions"]
+__all__ = ["DatasetInfo", "Locator", "PieceRows", "SampleSource", "read_positions"]

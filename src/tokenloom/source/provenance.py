@@ -16,23 +16,45 @@ a piece of document ``D`` of store ``PREFIX``.
 
 A piece counts when it holds at least one token of the document (megatron-core's walk can
 record an empty piece where a sample starts exactly at a document's end; it holds nothing).
+
+The functions read a source through :class:`LocatedSource`, and the last step of :func:`find` is
+the locator's own inverse (``positions_of``, :class:`~tokenloom.source.protocol.Locator`): the
+blended source, whose ``where`` and ``find`` call this module, is not imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.io.format import normalize_prefix
-from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator
+from tokenloom.source.protocol import Locator
+from tokenloom.source.readers import DatasetReader
 from tokenloom.validate import check_int, check_positive_int
 
-#: Positions of the blend arrays a pass reads at once (bounds the memory of :func:`find`).
+#: Entries of an index array a pass reads at once (bounds the memory of :func:`find`).
 _CHUNK = 1 << 24
+
+
+class LocatedSource(Protocol):
+    """What provenance reads of a split: one reader per dataset and the locator placing its
+    positions (:class:`~tokenloom.source.blended.BlendedSource` is one)."""
+
+    name: str
+    """``train``, ``valid`` or ``test``: named in errors."""
+    readers: Sequence[DatasetReader]
+    """One reader per dataset (dataset id ``d`` is ``readers[d]``)."""
+    locator: Locator
+    """Where each global position comes from."""
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset_ids, sample_ids)`` of global ``positions`` (PositionError outside the split)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +86,7 @@ class SampleOrigin:
                 "pieces": [dataclasses.asdict(p) for p in self.pieces]}
 
 
-def where(source: BlendedSource, positions) -> list[SampleOrigin]:
+def where(source: LocatedSource, positions) -> list[SampleOrigin]:
     """The origin of the sample at each of ``positions`` (any integer array; PositionError for a
     position outside the split)."""
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -84,7 +106,7 @@ def where(source: BlendedSource, positions) -> list[SampleOrigin]:
     return out  # type: ignore[return-value]
 
 
-def datasets_of(source: BlendedSource, prefix: str) -> list[int]:
+def datasets_of(source: LocatedSource, prefix: str) -> list[int]:
     """Dataset ids of ``source`` that read store ``prefix``; ConfigError naming the stores if none."""
     spelt = normalize_prefix(prefix)
     found = [d for d, reader in enumerate(source.readers) if reader.prefix == spelt]
@@ -143,7 +165,7 @@ def _samples_holding_exact(indices: GPTIndices, sequence_lengths: np.ndarray, do
     return np.concatenate(found)
 
 
-def samples_holding(source: BlendedSource, prefix: str, document: int) -> dict[int, np.ndarray]:
+def samples_holding(source: LocatedSource, prefix: str, document: int) -> dict[int, np.ndarray]:
     """Dataset id -> its sample ids (ascending) whose tokens include some of store ``prefix``'s
     document ``document``, for every dataset of ``source`` that reads that store."""
     check_int("document", document, minimum=0, expected="a document id (a non-negative integer)")
@@ -161,35 +183,23 @@ def samples_holding(source: BlendedSource, prefix: str, document: int) -> dict[i
     return out
 
 
-def find(source: BlendedSource, prefix: str, document: int) -> np.ndarray:
+def find(source: LocatedSource, prefix: str, document: int) -> np.ndarray:
     """Ascending global positions of ``source`` whose sample holds tokens of store ``prefix``'s
     document ``document``."""
     found = [positions_of(source, d, sample_ids) for d, sample_ids in samples_holding(source, prefix, document).items()]
     return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
 
-def positions_of(source: BlendedSource, d: int, sample_ids: np.ndarray) -> np.ndarray:
+def positions_of(source: LocatedSource, d: int, sample_ids: np.ndarray) -> np.ndarray:
     """Global positions of ``source`` holding samples ``sample_ids`` of dataset ``d`` (a sample
-    the blend never takes has none)."""
+    the blend never takes has none), as its locator inverts itself."""
     locator = source.locator
     if not sample_ids.shape[0]:
         return np.zeros(0, dtype=np.int64)
-    if isinstance(locator, DirectLocator):
-        return sample_ids[sample_ids < locator.num_samples]
-    if isinstance(locator, BlendLocator):
-        blend = locator.blend
-        kept = sample_ids[sample_ids < int(blend.counts[d])]  # the blend takes the first counts[d]
-        return np.sort(blend.positions_of(np.full(kept.shape[0], d, dtype=np.int64), kept))
-    if isinstance(locator, ArrayLocator):
-        out = []
-        wanted = np.unique(sample_ids)
-        for begin in range(0, locator.num_samples, _CHUNK):  # one pass over the blend arrays
-            datasets = np.asarray(locator.dataset_index[begin:begin + _CHUNK])
-            mine = np.flatnonzero(datasets == d)
-            samples = np.asarray(locator.dataset_sample_index[begin:begin + _CHUNK])[mine]
-            out.append(begin + mine[np.isin(samples, wanted)])
-        return np.concatenate(out)
-    raise ConfigError(f"find does not know the locator {type(locator).__name__}")
+    inverse = getattr(locator, "positions_of", None)  # optional in the Locator contract
+    if inverse is None:
+        raise ConfigError(f"find does not know the locator {type(locator).__name__}")
+    return inverse(d, sample_ids)
 
 
 def steps_of(positions: np.ndarray, global_batch_size: int) -> np.ndarray:
@@ -198,4 +208,5 @@ def steps_of(positions: np.ndarray, global_batch_size: int) -> np.ndarray:
     return np.unique(np.asarray(positions, dtype=np.int64) // int(global_batch_size))
 
 
-__all__ = ["Piece", "SampleOrigin", "datasets_of", "find", "positions_of", "samples_holding", "steps_of", "where"]
+__all__ = ["LocatedSource", "Piece", "SampleOrigin", "datasets_of", "find", "positions_of", "samples_holding",
+           "steps_of", "where"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenloom.builder.best_fit import build_gpt_arrays as build_best_fit_gpt_arrays
 from tokenloom.builder.best_fit import build_pack_arrays
-from tokenloom.builder.cache import Cache, PackWriter, host_record
+from tokenloom.builder.cache import Cache, host_record
 from tokenloom.builder.collective import CollectiveBuildError, agree
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.divided import DividedContext, build_divided_blend
@@ -28,6 +28,7 @@ from tokenloom.builder.exact import (
     plan_to_dict,
 )
 from tokenloom.builder.items import BuildPlan, WorkItem
+from tokenloom.builder.packs import PackWriter
 from tokenloom.builder.stateless import build_stateless_blend_arrays, build_stateless_gpt_arrays
 
 MIN_BACKGROUND_WORK_S = 2.0

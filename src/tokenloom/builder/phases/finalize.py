@@ -14,12 +14,13 @@ import platform
 import numpy as np
 
 from tokenloom._version import __version__
-from tokenloom.builder.cache import CACHE_FORMAT_VERSION, host_record
+from tokenloom.builder.cache import host_record
 from tokenloom.builder.collective import Failure, collector_paused, failure_from
 from tokenloom.builder.config import array_config
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.items import BuildPlan
 from tokenloom.builder.megatron_export import export_megatron_item
+from tokenloom.builder.packs import CACHE_FORMAT_VERSION
 from tokenloom.builder.result import BuildResult
 from tokenloom.builder.starts import write_start
 from tokenloom.errors import BuildError

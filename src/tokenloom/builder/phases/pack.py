@@ -7,10 +7,10 @@ the ranks gather every chunk's sample count, which the plan needs (:mod:`tokenlo
 from __future__ import annotations
 
 from tokenloom.builder.best_fit import pack_stats
-from tokenloom.builder.cache import PackWriter
 from tokenloom.builder.collective import agree
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.items import WorkItem, all_pack_items, assign_lpt
+from tokenloom.builder.packs import PackWriter
 from tokenloom.builder.phases.build_items import ProgressPoller, build_and_queue, build_one
 
 

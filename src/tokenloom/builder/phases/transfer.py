@@ -3,10 +3,10 @@ one writer per node that lacks it (the bytes of an item: :mod:`tokenloom.builder
 
 from __future__ import annotations
 
-from tokenloom.builder.cache import PackWriter
 from tokenloom.builder.collective import agree
 from tokenloom.builder.context import BuildContext
 from tokenloom.builder.items import BuildPlan
+from tokenloom.builder.packs import PackWriter
 from tokenloom.builder.transfer import pack_item, unpack_item
 from tokenloom.errors import BuildError
 
