@@ -13,8 +13,15 @@ same text, in one run:
   (gigatoken's Rust file reader and encoder) from a checkout (--megatron-dir; see
   megatron_preprocess.py for the commit and how it runs here), from the JSONL file to a store;
 * tokenloom: `tokenize_to_store` from the JSONL file to a finished token store (reading, JSON
-  parsing, the engine guard, encoding, EOD, writing, worker start-up all included), in the
-  calling thread, with 1, 2, ... worker processes and with worker threads.
+  parsing, the engine guard, routing documents gigatoken reads differently, encoding, EOD,
+  writing, worker start-up all included), in the calling thread, with 1, 2, ... worker processes
+  and with worker threads.
+
+Then what identity with `tokenizers` costs (a second table): the one-time scan of every code
+point for this tokenizer (cached per tokenizer and library versions; the timed rows above run
+with it cached), the per-batch check for divergent code points on every batch of the corpus as it
+is and with 1% of its documents given a Unicode 17 letter, and tokenloom's run on that 1% corpus
+(those documents are encoded by `tokenizers`).
 
 Prints a markdown table with wall and CPU seconds, tokens per CPU-second and the ratios to
 `tokenizers` and to gigatoken's own encode. Not collected by pytest. Run it under the shared
@@ -211,6 +218,64 @@ def _megatron(tool: str, megatron_dir: str, tokenizer_path: str, jsonl_path: str
     return done["wall_s"], done["cpu_s"], store.num_tokens - len(store)
 
 
+def _identity(tokenizer_path: str, texts: list[str], batches, workdir: str, chunk_bytes: int,
+              gigatoken_cpu: float, tokenloom_cpu: dict[str, float]) -> None:
+    """Print the identity table (see the module docstring)."""
+    import random
+
+    from tokenloom.tokenization import TokenizeConfig
+    from tokenloom.tokenization import divergence as dv
+
+    raw = open(tokenizer_path, "rb").read()
+    saved = os.environ.get("TOKENLOOM_CACHE_DIR")
+    os.environ["TOKENLOOM_CACHE_DIR"] = tempfile.mkdtemp(dir=workdir)  # empty: the scan runs
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    divergence = dv.divergence_for(raw)
+    scan = (time.perf_counter() - wall, _cpu_seconds() - cpu)
+    os.environ["TOKENLOOM_CACHE_DIR"] = saved or ""
+    rng = random.Random(0)
+    marked = [t if rng.random() >= 0.01 else t[: len(t) // 2] + "\U00016ebb" + t[len(t) // 2:] for t in texts]
+    holders_rows = []
+    for label, corpus in (("as it is", texts), ("1% of documents holding U+16EBB", marked)):
+        corpus_batches = batches if corpus is texts else _batches(corpus, chunk_bytes)
+        best, best_wall, found = float("inf"), float("inf"), 0
+        for _ in range(3):
+            cpu, wall = _cpu_seconds(), time.perf_counter()
+            found = sum(len(divergence.holders(batch)) for batch in corpus_batches)
+            best, best_wall = min(best, _cpu_seconds() - cpu), min(best_wall, time.perf_counter() - wall)
+        holders_rows.append((label, best_wall, best, found))
+    jsonl_path = os.path.join(workdir, "corpus-marked.jsonl")
+    with open(jsonl_path, "w", encoding="utf-8") as f:
+        for text in marked:
+            f.write(json.dumps({"text": text}) + "\n")
+    routed_rows = []
+    for workers, threads in ((0, False), (2, True)):
+        config = TokenizeConfig(tokenizer=tokenizer_path, workers=workers, threads=threads, chunk_bytes=chunk_bytes)
+        best_cpu, best_wall = float("inf"), float("inf")
+        for _ in range(2):
+            wall, cpu, _ = _tokenloom(jsonl_path, os.path.join(workdir, f"marked_w{workers}"), config)
+            best_cpu, best_wall = min(best_cpu, cpu), min(best_wall, wall)
+        routed_rows.append((workers, best_wall, best_cpu))
+    print()
+    print(f"Identity with tokenizers: {divergence.describe()} read differently by gigatoken; "
+          f"{sum(a is not b for a, b in zip(texts, marked)):,} "
+          "documents of the corpus given U+16EBB for the second corpus.")
+    print()
+    print("| what | wall s | CPU s | vs gigatoken encode_batch CPU (1 core) | note |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| scan of every code point, first use of this tokenizer (cached after) | {scan[0]:.2f} | {scan[1]:.2f} "
+          "| - | once per tokenizer and library versions |")
+    for label, wall, cpu, found in holders_rows:
+        print(f"| check of every batch for divergent code points, corpus {label} | {wall:.3f} | {cpu:.3f} | "
+              f"{100 * cpu / gigatoken_cpu:.1f}% | {found:,} documents found |")
+    for workers, wall, cpu in routed_rows:
+        how = "in the calling thread" if workers == 0 else f"{workers} worker threads"
+        plain = tokenloom_cpu.get(how)
+        note = f"{cpu / plain:.2f}x the CPU of the same row on the corpus as it is" if plain else ""
+        print(f"| tokenloom tokenize {how}, 1% of documents routed to tokenizers | {wall:.2f} | {cpu:.2f} | "
+              f"{100 * cpu / gigatoken_cpu:.0f}% | {note} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tokenloom-bench-tokenize"),
@@ -261,6 +326,11 @@ def main() -> int:
 
     batches = _batches(texts, args.chunk_bytes)
     cores = os.cpu_count() or 1
+    # the engine scan is cached here before any timed row (its one-time cost is in the second table)
+    os.environ["TOKENLOOM_CACHE_DIR"] = os.path.join(args.workdir, "cache")
+    from tokenloom.tokenization import load_tokenizer
+
+    load_tokenizer(tokenizer_path).route_divergent()
     runs = {}  # label -> (cores, measure())
     if not args.no_tokenizers_peer:
         runs["peer: tokenizers encode_batch_fast"] = (
@@ -348,6 +418,8 @@ def main() -> int:
         differ = sorted(set(stores[1:]) - set(same))
         print(f"token files (.bin) byte-identical to {stores[0]}: {', '.join(same) or 'none'}"
               + (f"; differing: {', '.join(differ)}" if differ else ""))
+    tokenloom_cpu = {label.split("), ", 1)[1]: best[label][1] for label in best if label.startswith("tokenloom")}
+    _identity(tokenizer_path, texts, batches, args.workdir, args.chunk_bytes, giga_cpu, tokenloom_cpu)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "failed": failed, "text_mb": text_mb, "documents": len(texts), "cores": cores},

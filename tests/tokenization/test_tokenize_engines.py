@@ -1,15 +1,12 @@
 """Encoding engines: gigatoken where it covers a tokenizer.json, the tokenizers library where it
 does not, the same ids either way, and a guard that stops a run at the first difference.
 
-Tokenizers of five families are trained here on standard-library sources (no downloads): GPT-2
-style byte-level BPE, a Llama-3 style split regex before byte-level BPE, SentencePiece-style BPE
-with byte fallback (all three covered by gigatoken), and a Unigram model and an NFKC-normalised
-BPE, which gigatoken refuses, so they must fall back and say so.
+The five tokenizer families (``tokenization_fixtures``): gigatoken covers three, and the Unigram
+model and the NFKC-normalised BPE must fall back and say so.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -21,14 +18,11 @@ from hypothesis import strategies as st
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("gigatoken")
 
+from tokenization_fixtures import COVERED, NOT_COVERED  # noqa: E402
+from tokenization_fixtures import corpus_files as _corpus_files  # noqa: E402
 from tokenloom.cli import main as cli_main  # noqa: E402
 from tokenloom.errors import ConfigError  # noqa: E402
 from tokenloom.tokenization import TokenizeConfig, engines, load_tokenizer, pipeline, tokenize_to_store  # noqa: E402
-
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-COVERED = ("gpt2", "llama3", "sentencepiece_bpe")
-NOT_COVERED = ("unigram", "bpe_nfkc")
 
 TRICKY = [
     "",
@@ -42,49 +36,6 @@ TRICKY = [
     "it's they're we've I'm you'll he'd IT'S 1234567 3.14159 0x1F",
     "def f(x):\n    return x ** 2  # comment\n\n\nclass A:\n\tpass\n",
 ]
-
-
-def _corpus_files() -> list[str]:
-    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:60]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory) -> dict[str, str]:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    directory = tmp_path_factory.mktemp("engines")
-    files = _corpus_files()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    out = {}
-
-    def bpe(name, pre_tokenizer, *, normalizer=None, byte_fallback=False, decoder=None, initial=alphabet):
-        model = models.BPE(byte_fallback=True, unk_token="<unk>") if byte_fallback else models.BPE()
-        tokenizer = Tokenizer(model)
-        tokenizer.pre_tokenizer = pre_tokenizer
-        if normalizer is not None:
-            tokenizer.normalizer = normalizer
-        if decoder is not None:
-            tokenizer.decoder = decoder
-        special = ["<|endoftext|>"] + (["<unk>"] + [f"<0x{i:02X}>" for i in range(256)] if byte_fallback else [])
-        tokenizer.train(files, trainers.BpeTrainer(vocab_size=2000, special_tokens=special, initial_alphabet=initial,
-                                                   show_progress=False))
-        out[name] = str(directory / f"{name}.json")
-        tokenizer.save(out[name])
-
-    bpe("gpt2", pre_tokenizers.ByteLevel(add_prefix_space=False), decoder=decoders.ByteLevel())
-    bpe("llama3", pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
-        decoder=decoders.ByteLevel())
-    bpe("sentencepiece_bpe", pre_tokenizers.Metaspace(), byte_fallback=True, initial=[],
-        decoder=decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()]))
-    bpe("bpe_nfkc", pre_tokenizers.ByteLevel(add_prefix_space=False), normalizer=normalizers.NFKC())
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.train(files, trainers.UnigramTrainer(vocab_size=1500, special_tokens=["<|endoftext|>", "<unk>"],
-                                                 unk_token="<unk>", show_progress=False))
-    out["unigram"] = str(directory / "unigram.json")
-    unigram.save(out["unigram"])
-    return out
 
 
 def _reference(path: str, texts) -> list[list[int]]:

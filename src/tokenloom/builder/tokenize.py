@@ -35,6 +35,7 @@ from tokenloom.tokenization.pipeline import (
     InputPiece,
     TokenizeConfig,
     TokenizeSummary,
+    engine_report,
     plan_pieces,
     store_metadata,
     tokenize_pieces,
@@ -59,10 +60,10 @@ def _describe(piece: InputPiece) -> list:
 
 
 def _settings(config: TokenizeConfig, record: dict) -> dict:
-    """What decides a part's tokens besides its inputs (workers, threads and chunk size change
-    nothing)."""
+    """What decides a part's tokens besides its inputs (workers, threads, chunk size and verify
+    change nothing)."""
     out = dataclasses.asdict(config)
-    for name in ("workers", "threads", "chunk_bytes"):
+    for name in ("workers", "threads", "chunk_bytes", "verify"):
         out.pop(name, None)
     out["tokenizer_record"] = record
     return out
@@ -106,18 +107,28 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     rank, world = group.rank, group.world_size
     if world == 1:  # one process: straight into the store, no parts
         return tokenize_to_store(inputs, output, config)
-    failure, mine, files, record, tokenizer, runs = None, [], [], None, None, []
+    failure, mine, files, record, tokenizer, runs, share = None, [], [], None, None, [], None
     try:
         files = discover_inputs(inputs, input_format=config.input_format)
         tokenizer = load_tokenizer(config.tokenizer, eod_id=config.eod_id, require_eod=config.append_eod,
                                    engine=config.engine)
-        record = tokenizer.record(append_eod=config.append_eod)
         runs = plan_pieces(files, config, world)
         mine = [count_lines(p.source.path, *p.byte_range) if p.byte_range is not None else 0 for p in runs[rank]]
+        # the code points gigatoken reads differently: each rank scans a share unless it is cached
+        scan = getattr(tokenizer, "divergence_share", None)
+        share = scan(rank, world) if scan is not None else None
     except Exception as exc:
         failure = failure_from(exc, rank=rank, phase="tokenize plan", item=None)
-    counts = agree(group, failure, phase="tokenize plan", payload=mine)
-    runs = _number_lines(runs, counts)
+    planned = agree(group, failure, phase="tokenize plan", payload=(mine, share))
+    shares = [s for _, s in planned]
+    if any(shares):  # the same on every rank: all join the shares, or none
+        try:
+            tokenizer.join_divergence_shares(shares, store=rank == 0)
+        except Exception as exc:
+            failure = failure_from(exc, rank=rank, phase="tokenize plan", item=None)
+        agree(group, failure, phase="tokenize plan")
+    record = tokenizer.record(append_eod=config.append_eod)
+    runs = _number_lines(runs, [counts for counts, _ in planned])
     parts_dir = output + PARTS_SUFFIX
     part = os.path.join(parts_dir, f"part-{rank:05d}-of-{world:05d}")
     summary = None
@@ -130,6 +141,7 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     documents = sum(s["documents"] for s in summaries if s)
     tokens = sum(s["tokens"] for s in summaries if s)
     empty = sum(s["empty_documents"] for s in summaries if s)
+    routed = sum(s.get("routed", 0) for s in summaries if s)
     skipped: Counter = Counter()
     for s in summaries:
         if s:
@@ -173,7 +185,8 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
                            skipped={k: v for k, v in skipped.items() if v}, elapsed_s=time.perf_counter() - started,
                            ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")),
                            engine=getattr(tokenizer, "engine", "bytes"),
-                           engine_note=getattr(tokenizer, "engine_note", None),
+                           engine_note=getattr(tokenizer, "engine_note", None), routed_documents=routed,
+                           **engine_report(tokenizer, verify=config.verify),
                            **dict(zip(("workers", "threads"), config.parallelism(tokenizer))))
 
 
@@ -206,7 +219,8 @@ def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, 
     own_files = list({p.source.path: p.source for p in pieces}.values())
     summary = tokenize_pieces(own_files, pieces, part, config, tokenizer=tokenizer)
     counts = {"documents": summary.num_documents, "tokens": summary.num_tokens, "empty_documents": summary.num_empty,
-              "skipped": dict(summary.skipped), "bin_bytes": os.path.getsize(part + ".bin")}
+              "skipped": dict(summary.skipped), "bin_bytes": os.path.getsize(part + ".bin"),
+              "routed": summary.routed_documents}
     write_json_atomic(manifest, {**wanted, "counts": counts})
     return counts
 

@@ -76,8 +76,12 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="text per worker task, e.g. 512K, 4M (default 1M)")
     p.add_argument("--engine", choices=("auto", "gigatoken", "hf"), default="auto",
                    help="how a tokenizer.json encodes: gigatoken where it covers the tokenizer, else the "
-                   "tokenizers library (auto, the default), or force one; the ids are the same, and each "
-                   "process checks gigatoken against tokenizers on its first documents")
+                   "tokenizers library (auto, the default), or force one; the ids are the same: documents "
+                   "holding a character gigatoken reads differently go to tokenizers, and each process "
+                   "checks gigatoken against tokenizers on its first documents")
+    p.add_argument("--verify", action="store_true",
+                   help="encode every document with both engines and stop at the first difference, naming the "
+                   "file, line and character (costs about what the tokenizers library costs)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
@@ -129,12 +133,25 @@ def _format_summary(summary) -> str:
                      + f", {how}")
     else:
         lines.append(how)
+    if summary.engine == "gigatoken":
+        lines.append(_identity(summary))
     if summary.num_skipped:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
         lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")
     if summary.num_empty:
         lines.append(f"left out {_count(summary.num_empty, 'empty document')}")
     return "\n".join(lines)
+
+
+def _identity(summary) -> str:
+    """How the run held gigatoken's ids to the tokenizers library's."""
+    routed = (f"{_count(summary.routed_documents, 'document')} holding one of the "
+              f"{_count(summary.divergent_code_points or 0, 'code point')} gigatoken reads differently "
+              "went to tokenizers")
+    if summary.verified:
+        return f"identity: {routed}; every document was compared with tokenizers (--verify)"
+    return (f"identity: {routed}; tokenizers checked only each process's first {summary.guard_characters // 1024}K "
+            "characters (--verify checks every document)")
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
@@ -156,6 +173,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         threads=args.threads,
         chunk_bytes=args.chunk_size,
         engine=args.engine,
+        verify=args.verify,
     )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the inputs divided over the ranks
         from tokenloom.builder import tokenize_on_ranks

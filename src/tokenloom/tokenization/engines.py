@@ -49,15 +49,20 @@ class GigatokenEncoder:
         ``HuggingFaceTokenizer.encode_batch`` returns them; the ids stay in gigatoken's own
         dtype, as the store's dtype is at most that wide. gigatoken decides its own threading:
         a thread pool in the main process, the calling thread inside a worker process."""
-        encoded = self._tokenizer.encode_batch(list(texts))
-        layout = encoded.layout  # documents x ids
-        if not hasattr(layout, "offsets"):  # not one offsets array: lay it out as one
-            import awkward
+        return gigatoken_ids(self._tokenizer.encode_batch(list(texts)))
 
-            layout = awkward.to_packed(encoded).layout
-        offsets = np.asarray(layout.offsets.data, dtype=np.int64)  # (len(texts) + 1,)
-        tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]  # (T,) uint32
-        return tokens, np.diff(offsets)
+
+def gigatoken_ids(encoded) -> tuple[np.ndarray, np.ndarray]:
+    """gigatoken's ``encode_batch`` result (an awkward array, documents x ids) as ``(tokens (T,),
+    lengths (documents,) int64)``."""
+    layout = encoded.layout  # documents x ids
+    if not hasattr(layout, "offsets"):  # not one offsets array: lay it out as one
+        import awkward
+
+        layout = awkward.to_packed(encoded).layout
+    offsets = np.asarray(layout.offsets.data, dtype=np.int64)  # (documents + 1,)
+    tokens = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]  # (T,) uint32
+    return tokens, np.diff(offsets)
 
 
 def open_gigatoken(path: str) -> tuple[GigatokenEncoder | None, str | None]:
@@ -103,4 +108,5 @@ def first_difference(ours: tuple[np.ndarray, np.ndarray],
     return None  # pragma: no cover - equal documents cannot make unequal arrays
 
 
-__all__ = ["ENGINES", "GUARD_CHARACTERS", "GigatokenEncoder", "check_engine", "first_difference", "open_gigatoken"]
+__all__ = ["ENGINES", "GUARD_CHARACTERS", "GigatokenEncoder", "check_engine", "first_difference", "gigatoken_ids",
+           "open_gigatoken"]

@@ -113,8 +113,14 @@ class TokenizeConfig:
     engine: str = "auto"
     """How a HuggingFace tokenizer.json encodes (:mod:`tokenloom.tokenization.engines`):
     ``"auto"`` (gigatoken where it covers the tokenizer, else ``tokenizers``), ``"gigatoken"`` or
-    ``"hf"``. The ids, and so the store, are the same; each process holds gigatoken to
-    ``tokenizers`` on its first documents."""
+    ``"hf"``. The ids, and so the store, are the same: a document holding a code point gigatoken
+    reads differently goes to ``tokenizers`` (:mod:`tokenloom.tokenization.divergence`), and each
+    process holds gigatoken to ``tokenizers`` on its first documents (a sample: see ``verify``)."""
+
+    verify: bool = False
+    """Encode every document with both engines and stop at the first difference, naming the
+    file, line and character (about ``tokenizers``' cost on top of gigatoken's). Off by default:
+    identity rests on the code point scan, and the guard samples the first documents."""
 
     def __post_init__(self) -> None:
         check_engine(self.engine)
@@ -122,6 +128,8 @@ class TokenizeConfig:
             raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
         if not self.text_key or not self.column:
             raise ConfigError(f"text_key {self.text_key!r} and column {self.column!r} must be non-empty")
+        if not isinstance(self.verify, bool):
+            raise ConfigError(f"verify {self.verify!r}, expected True or False")
         if self.threads is not None and not isinstance(self.threads, bool):
             raise ConfigError(f"threads {self.threads!r}, expected True, False or None (by engine)")
         if self.workers is not None and (not is_integer(self.workers) or self.workers < 0):
@@ -185,6 +193,21 @@ class TokenizeSummary:
     threads: bool = False
     """Whether the workers were threads of the calling process."""
 
+    routed_documents: int = 0
+    """Documents that hold a code point gigatoken reads differently, encoded by ``tokenizers``."""
+
+    divergent_code_points: int | None = None
+    """How many code points gigatoken reads differently from ``tokenizers`` for this tokenizer
+    (None: gigatoken did not encode)."""
+
+    verified: bool = False
+    """Every document was encoded by both engines and compared (``TokenizeConfig.verify``); else
+    the comparison covered each process's first ``guard_characters`` only."""
+
+    guard_characters: int = GUARD_CHARACTERS
+    """Characters of text each process encoded with both engines before trusting gigatoken alone
+    (the guard samples; identity rests on the code point scan)."""
+
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
@@ -209,6 +232,8 @@ class _EncodeJob:
     eod_id: int | None
     dtype: str
     stop_at_bad: bool
+    verify: bool = False
+    """Compare every document, not the guard's sample."""
     guard: dict[int, int] = dataclasses.field(default_factory=dict)
     """Process id -> characters this run still holds gigatoken to ``tokenizers`` on (each worker
     process gets its own copy with the job, so every process of every run checks its first
@@ -223,6 +248,7 @@ class _EncodedBatch:
     skipped: dict[str, int]
     bad_examples: list[str]
     error: str | None = None
+    routed: int = 0  # documents encoded by tokenizers for holding a divergent code point
 
 
 _JOB: _EncodeJob | None = None
@@ -259,12 +285,20 @@ def _unencodable(texts: list[str], numbers: list[tuple[str, int]]) -> list[BadRe
     return bad
 
 
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, lengths, documents routed to ``tokenizers``)."""
+    routed = getattr(tokenizer, "encode_batch_routed", None)
+    if routed is not None:
+        return routed(texts)
+    return (*tokenizer.encode_batch(texts), 0)
+
+
 def _encode_texts(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]]):
-    """(tokens, lengths, bad records) for ``texts``; bad ones are left out of the result."""
+    """(tokens, lengths, bad records, routed) for ``texts``; bad ones are left out of the result."""
     try:
-        tokens, lengths = job.tokenizer.encode_batch(texts)
+        tokens, lengths, routed = _encode(job.tokenizer, texts)
         _guard(job, texts, where, (tokens, lengths))
-        return tokens, lengths, []
+        return tokens, lengths, [], routed
     except ConfigError:
         raise
     except Exception as exc:
@@ -275,37 +309,46 @@ def _encode_texts(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]
     rejected = {(b.path, b.line_number) for b in bad}
     keep = [i for i, loc in enumerate(where) if loc not in rejected]
     kept = [texts[i] for i in keep]
-    tokens, lengths = job.tokenizer.encode_batch(kept)
+    tokens, lengths, routed = _encode(job.tokenizer, kept)
     _guard(job, kept, [where[i] for i in keep], (tokens, lengths))
-    return tokens, lengths, bad
+    return tokens, lengths, bad, routed
 
 
 def _guard(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]], encoded) -> None:
     """Hold gigatoken to ``tokenizers`` on this run's first :data:`GUARD_CHARACTERS` of text in
-    this process: a ConfigError naming the first document (file:line) and position where they
-    differ."""
+    this process, or on every text with ``verify``: a ConfigError naming the first document
+    (file:line), token and character where they differ."""
     tokenizer = job.tokenizer
     if getattr(tokenizer, "engine", None) != "gigatoken" or not texts:
         return
-    with _GUARD_LOCK:  # the process's worker threads share one budget
-        left = job.guard.setdefault(os.getpid(), GUARD_CHARACTERS)
-        if left <= 0:
-            return
-        count, size = 0, 0
-        while count < len(texts) and size < left:  # the documents that make up the rest of the budget
-            size += len(texts[count])
-            count += 1
-        job.guard[os.getpid()] = left - size
+    if job.verify:
+        count = len(texts)
+    else:
+        with _GUARD_LOCK:  # the process's worker threads share one budget
+            left = job.guard.setdefault(os.getpid(), GUARD_CHARACTERS)
+            if left <= 0:
+                return
+            count, size = 0, 0
+            while count < len(texts) and size < left:  # the documents that make up the rest of the budget
+                size += len(texts[count])
+                count += 1
+            job.guard[os.getpid()] = left - size
     lengths = encoded[1][:count]
     ours = (encoded[0][:int(lengths.sum())], lengths)
     found = first_difference(ours, tokenizer.encode_batch_reference(texts[:count]))
     if found is not None:
         document, position, got, expected = found
         path, line = where[document]
+        start, end = tokenizer.characters_at(texts[document], position)
+        span = texts[document][start:end]
+        beyond = ", ".join(f"U+{ord(c):04X}" for c in span if ord(c) > 0x7F)
+        at = f"characters {start}-{end} {span!r}" + (f" holding {beyond}" if beyond else "") if span else \
+            f"character {start}, its end"
         raise ConfigError(
             f"{path}:{line}: gigatoken and the tokenizers library encode this document differently from its "
-            f"token {position} on (gigatoken {got}, tokenizers {expected}) with {tokenizer.path}; nothing was "
-            "written. Encode with the tokenizers library (engine='hf'), and report the document to gigatoken")
+            f"token {position} on ({at}; gigatoken {got}, tokenizers {expected}) with {tokenizer.path}; "
+            "nothing was written. Encode with the tokenizers library (engine='hf'), and report the document "
+            "to gigatoken")
 
 
 # TODO(tokenize): parsing the JSON lines and gathering the ids run in Python around gigatoken's
@@ -331,7 +374,7 @@ def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
             tokens=np.zeros(0, job.dtype), lengths=np.zeros(0, np.int64), num_empty=0,
             skipped={}, bad_examples=[], error=(earlier or [error])[0].message,
         )
-    tokens, lengths, unencodable = _encode_texts(job, texts, where)
+    tokens, lengths, unencodable, routed = _encode_texts(job, texts, where)
     if unencodable and job.stop_at_bad:
         return _EncodedBatch(
             tokens=np.zeros(0, job.dtype), lengths=np.zeros(0, np.int64), num_empty=0,
@@ -358,6 +401,7 @@ def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
         num_empty=num_empty,
         skipped=dict(skipped),
         bad_examples=[b.message for b in bad[:_MAX_LOGGED_BAD_RECORDS]],
+        routed=routed,
     )
 
 
@@ -515,6 +559,9 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
                                    engine=config.engine)
     if config.append_eod and tokenizer.eod_id is None:
         raise ConfigError(f"tokenizer {tokenizer!r} has no end-of-document id; give one or do not append it")
+    route = getattr(tokenizer, "route_divergent", None)
+    if route is not None:
+        route()  # before the workers start: they share (or are sent) its result
     record = tokenizer.record(append_eod=config.append_eod)
     dtype = np.dtype(dtype_for_vocab(record.vocab_size))
     job = _EncodeJob(
@@ -524,11 +571,12 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         eod_id=record.eod_id,
         dtype=dtype.str,
         stop_at_bad=not config.skip_bad,
+        verify=config.verify,
     )
     workers, threads = config.parallelism(tokenizer)
     logger.info("tokenizing %d input file(s) with %r and %d worker %s into %s",
                 len(files), tokenizer, workers, "thread(s)" if threads else "process(es)", output_prefix)
-    num_documents = num_tokens = num_empty = logged_bad = 0
+    num_documents = num_tokens = num_empty = logged_bad = routed = 0
     skipped: collections.Counter = collections.Counter()
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
@@ -539,6 +587,7 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
             num_documents += int(batch.lengths.size)
             num_tokens += int(batch.tokens.size)
             num_empty += batch.num_empty
+            routed += batch.routed
             skipped.update(batch.skipped)
             for message in batch.bad_examples[: max(0, _MAX_LOGGED_BAD_RECORDS - logged_bad)]:
                 logger.warning("skipped bad record: %s", message)
@@ -564,10 +613,21 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         engine_note=getattr(tokenizer, "engine_note", None),
         workers=workers,
         threads=threads,
+        **engine_report(tokenizer, verify=config.verify),
+        routed_documents=routed,
     )
     logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
                 dict(summary.skipped))
     return summary
+
+
+def engine_report(tokenizer: Tokenizer, *, verify: bool) -> dict:
+    """The summary's fields on how identity with ``tokenizers`` was held (besides the count of
+    routed documents)."""
+    divergence = getattr(tokenizer, "divergence", None)
+    gigatoken = getattr(tokenizer, "engine", None) == "gigatoken"
+    return {"divergent_code_points": len(divergence) if gigatoken and divergence is not None else None,
+            "verified": bool(verify and gigatoken)}
 
 
 def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: TokenizeConfig, *,
@@ -589,5 +649,6 @@ def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: 
     }
 
 
-__all__ = ["InputPiece", "ProgressCallback", "TokenizeConfig", "TokenizeSummary", "plan_pieces", "store_metadata",
+__all__ = ["InputPiece", "ProgressCallback", "TokenizeConfig", "TokenizeSummary", "engine_report", "plan_pieces",
+           "store_metadata",
            "tokenize_pieces", "tokenize_to_store"]

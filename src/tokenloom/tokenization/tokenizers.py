@@ -14,12 +14,23 @@ import hashlib
 import itertools
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.tokenization.divergence import (
+    Divergence,
+    ScanTarget,
+    divergence_for,
+    load_cached,
+    refuse_forced,
+    scan_code_points,
+    scan_part,
+    store_cached,
+)
 from tokenloom.tokenization.engines import check_engine, open_gigatoken
 from tokenloom.tokenization.record import TokenizerRecord
 from tokenloom.validate import is_integer
@@ -149,6 +160,13 @@ class HuggingFaceTokenizer:
     Texts are encoded without the post-processor's special tokens (no BOS/CLS); the
     pipeline appends the end-of-document id itself. ``engine`` says which engine encodes and
     ``engine_note`` why ``tokenizers`` does when gigatoken was not taken.
+
+    With gigatoken, the ids are ``tokenizers``' on every document by construction: before the
+    first encode, the code points the engines read differently are found
+    (:mod:`tokenloom.tokenization.divergence`: cached, else scanned once) and a document holding
+    one is encoded by ``tokenizers`` (:meth:`encode_batch_routed` counts them). A divergence too
+    large to route makes ``"auto"`` take ``tokenizers`` for everything, and ``"gigatoken"`` an
+    error.
     """
 
     def __init__(self, path: str, *, eod_id: int | None = None, require_eod: bool = True,
@@ -158,6 +176,7 @@ class HuggingFaceTokenizer:
         with open(self.path, "rb") as f:
             raw = f.read()
         self.sha256 = hashlib.sha256(raw).hexdigest()
+        self._raw = raw
         try:
             self._tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:
@@ -173,6 +192,9 @@ class HuggingFaceTokenizer:
                 raise ConfigError(f"{self.path}: engine='gigatoken' but {self.engine_note}; encode it with the "
                                   "tokenizers library (engine='hf')")
         self.engine = "gigatoken" if self._fast is not None else "hf"
+        self._engine_requested = engine
+        self.divergence: Divergence | None = None
+        """The code points routed to ``tokenizers`` (None until :meth:`route_divergent`)."""
 
     def _find_eod_id(self, eod_id: int | None, require_eod: bool) -> int | None:
         if eod_id is not None:
@@ -195,10 +217,90 @@ class HuggingFaceTokenizer:
             )
         return None
 
+    def route_divergent(self, divergence: Divergence | None = None) -> None:
+        """Find the code points gigatoken reads differently, once: ``divergence`` when a divided
+        run scanned it, else the cached scan, else a scan now (and cached). Called before
+        the first encode; worker processes receive the result with the tokenizer."""
+        if self._fast is None or self.divergence is not None:
+            return
+        with _ROUTING_LOCK:
+            if self.divergence is not None:
+                return
+            found = divergence if divergence is not None else divergence_for(self._raw)
+            why = found.too_large()
+            if why is not None:
+                if self._engine_requested == "gigatoken":
+                    raise refuse_forced(self.path, why)
+                self._fast, self.engine = None, "hf"
+                self.engine_note = f"gigatoken reads {found.describe()} differently from tokenizers: {why}"
+            self.divergence = found
+
+    def divergence_share(self, rank: int, world: int) -> dict | None:
+        """This rank's part of a scan divided over ``world`` ranks (see
+        :meth:`join_divergence_shares`): ``{"cached": code points}`` when this rank finds the
+        scan cached, ``{"share": the divergent code points of its share}`` when it scanned, None
+        when nothing is to be found (gigatoken does not encode, or the divergence is known)."""
+        if self._fast is None or self.divergence is not None:
+            return None
+        target = ScanTarget.of(self._raw)
+        cached = load_cached(target)
+        if cached is not None:
+            return {"cached": cached.code_points.tolist()}
+        return {"share": scan_code_points(target.text, scan_part(rank, world)).tolist()}
+
+    def join_divergence_shares(self, shares: Sequence[dict | None], *, store: bool) -> None:
+        """Take the divergence from every rank's :meth:`divergence_share`: a cached one where a
+        rank had it (every cached scan of one key is the same), else the union of the shares,
+        cached when ``store`` (one rank writes it)."""
+        shares = [share for share in shares if share]
+        if not shares:
+            return
+        cached = next((share["cached"] for share in shares if "cached" in share), None)
+        if cached is not None:
+            self.route_divergent(Divergence(cached))
+            return
+        found = Divergence([point for share in shares for point in share["share"]])
+        if store:
+            store_cached(ScanTarget.of(self._raw), found)
+        self.route_divergent(found)
+
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        tokens, lengths, _ = self.encode_batch_routed(texts)
+        return tokens, lengths
+
+    def encode_batch_routed(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, int]:
+        """:meth:`encode_batch` plus how many of ``texts`` went to ``tokenizers`` because they
+        hold a code point gigatoken reads differently."""
         if self._fast is not None:
-            return self._fast.encode_batch(texts)
-        return self.encode_batch_reference(texts)
+            self.route_divergent()
+        if self._fast is None:
+            return (*self.encode_batch_reference(texts), 0)
+        routed = self.divergence.holders(texts)
+        if not routed:
+            return (*self._fast.encode_batch(texts), 0)
+        chosen = set(routed)
+        rest = [i for i in range(len(texts)) if i not in chosen]
+        fast_tokens, fast_lengths = self._fast.encode_batch([texts[i] for i in rest])
+        slow_tokens, slow_lengths = self.encode_batch_reference([texts[i] for i in routed])
+        lengths = np.empty(len(texts), dtype=np.int64)
+        lengths[rest], lengths[routed] = fast_lengths, slow_lengths
+        # gigatoken's dtype (uint32) holds every id of the vocabulary, the reference's int64 ids too
+        tokens = np.empty(int(lengths.sum()), dtype=fast_tokens.dtype)  # (T,)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        sides = ((rest, fast_tokens, fast_lengths), (routed, slow_tokens, slow_lengths))
+        for order, side_tokens, side_lengths in sides:
+            # where each of this side's tokens goes: its document's start + its place in it, (side's T,)
+            within = np.arange(side_tokens.size) - np.repeat(np.cumsum(side_lengths) - side_lengths, side_lengths)
+            tokens[np.repeat(starts[order], side_lengths) + within] = side_tokens
+        return tokens, lengths, len(routed)
+
+    def characters_at(self, text: str, position: int) -> tuple[int, int]:
+        """The characters ``[start, end)`` of ``text`` that ``tokenizers``' token ``position``
+        covers (``(len(text), len(text))`` past its last token): where a message about a
+        differing token points."""
+        offsets = self._tokenizer.encode(text, add_special_tokens=False).offsets
+        return (int(offsets[position][0]), int(offsets[position][1])) if position < len(offsets) else \
+            (len(text), len(text))
 
     def encode_batch_reference(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`encode_batch` by the ``tokenizers`` library, whatever the engine (what
@@ -234,6 +336,9 @@ def _byte_tokenizer(spec: str, *, eod_id=None, require_eod=True, engine="auto") 
         raise ConfigError(f"engine={engine!r} with the byte tokenizer; engines apply to a HuggingFace "
                           "tokenizer.json (the byte tokenizer is its own engine): leave engine='auto'")
     return ByteTokenizer(eod_id=eod_id)
+
+
+_ROUTING_LOCK = threading.Lock()  # the worker threads of a run find the divergence once
 
 
 TOKENIZERS: dict[str, Callable[..., Tokenizer]] = {
