@@ -231,3 +231,20 @@ def test_a_starved_dataset_is_named_in_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Blend([1.0, 0.0], 1000)  # a zero weight is a choice, not a surprise
+
+
+def test_samples_before_counts_a_prefix_of_the_blend():
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        weights = rng.random(int(rng.integers(1, 12))) ** 3
+        weights[rng.random(weights.shape[0]) < 0.3] = 0
+        weights[0] += 0.1
+        size = int(rng.integers(0, 400))
+        blend = quiet_blend(weights, size)
+        prefix = np.zeros((size + 1, weights.shape[0]), dtype=np.int64)
+        prefix[np.arange(1, size + 1), blend.materialize()[0]] = 1
+        prefix = np.cumsum(prefix, axis=0)
+        lengths, datasets = np.meshgrid(np.arange(size + 1), np.arange(weights.shape[0]), indexing="ij")
+        assert np.array_equal(blend.samples_before(datasets, lengths), prefix)
+    with pytest.raises(ConfigError, match="unseeded"):
+        Blend([1.0, 1.0], 8, seed=1, window=4).samples_before(np.array([0]), np.array([1]))

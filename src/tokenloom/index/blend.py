@@ -157,6 +157,40 @@ def _prefix_bounds(counts, node_count, left, right, root) -> np.ndarray:
     return bound
 
 
+def _dataset_paths(counts: np.ndarray, parent: np.ndarray, is_left: np.ndarray,
+                   num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per dataset, the internal nodes from the root down to its leaf and whether the path goes
+    left below each: ``(D, depth)`` int64 (-1 past the path, and for datasets without samples)
+    and bool. ``parent``/``is_left``: :meth:`Blend._parents`, internal nodes then leaves."""
+    paths = []
+    for d in range(len(counts)):
+        path, child = [], num_nodes + d
+        while counts[d] > 0 and parent[child] >= 0:
+            path.append((int(parent[child]), bool(is_left[child])))
+            child = int(parent[child])
+        paths.append(path[::-1])
+    depth = max(1, max(len(p) for p in paths))
+    nodes = np.full((len(counts), depth), -1, dtype=np.int64)
+    lefts = np.zeros((len(counts), depth), dtype=bool)
+    for d, path in enumerate(paths):
+        for level, (node, left) in enumerate(path):
+            nodes[d, level], lefts[d, level] = node, left
+    return nodes, lefts
+
+
+def _count_down(nodes, lefts, node_count, left_count, dataset_ids, slots) -> None:
+    """Walk ``slots`` (root slots, in place) down each dataset's path: of a node's first ``m``
+    slots its left child gets ``(m * C_a + C_v // 2) // C_v``, its right child the rest."""
+    for level in range(nodes.shape[1]):
+        walking = np.flatnonzero(nodes[dataset_ids, level] >= 0)
+        if not walking.shape[0]:
+            break
+        v, m = nodes[dataset_ids[walking], level], slots[walking]
+        c_v, c_a = node_count[v], left_count[v]
+        q = (m * c_a + c_v // 2) // c_v  # (w,) slots of the left child among the node's first m
+        slots[walking] = np.where(lefts[dataset_ids[walking], level], q, m - q)
+
+
 # ------------------------------------------------------------------------------------ kernels
 
 
@@ -598,6 +632,38 @@ class Blend:
                     slot[mask] = index[mask] * window + _window_unpermute_numpy(offset[mask], index[mask], length,
                                                                                 self._window_keys)
         return slot.reshape(d.shape)
+
+    def samples_before(self, dataset_ids, lengths) -> np.ndarray:
+        """Samples of dataset ``dataset_ids[i]`` among the first ``lengths[i]`` positions of the
+        blend (int64, shaped like the ids): the rank query of a blend interleaved with another
+        (:mod:`tokenloom.index.schedule`'s ramps).
+
+        Walks each dataset's path down from the root, O(tree depth): of a node's first ``m``
+        slots, its left child gets ``(m * C_a + C_v // 2) // C_v`` (the slots the walk down sends
+        left) and its right child the rest. Only the unseeded order: a seeded blend's windows
+        reorder positions, so a prefix of it holds other samples (ConfigError).
+        """
+        if self.seed is not None:
+            raise ConfigError(f"samples_before counts a prefix of the unseeded order; this blend shuffles windows "
+                              f"(seed={self.seed}), so a prefix holds other samples")
+        d, m = np.asarray(dataset_ids), np.asarray(lengths)
+        if d.dtype.kind not in "iu" or m.dtype.kind not in "iu" or d.shape != m.shape:
+            raise ConfigError(f"dataset_ids {d.shape} {d.dtype} and lengths {m.shape} {m.dtype}; expected "
+                              "integer arrays of one shape")
+        flat_d, out = d.reshape(-1).astype(np.int64), m.reshape(-1).astype(np.int64)  # (n,) each
+        if flat_d.shape[0] and (flat_d.min() < 0 or flat_d.max() >= self.num_datasets):
+            raise ConfigError(f"dataset ids span [{flat_d.min()}, {flat_d.max()}]; the blend has "
+                              f"{self.num_datasets} datasets")
+        if out.shape[0] and (out.min() < 0 or out.max() > self.size):
+            raise ConfigError(f"lengths span [{out.min()}, {out.max()}]; expected prefixes of [0, {self.size}] "
+                              "positions")
+        if self._root < 0:  # one dataset (or none) has every sample
+            return np.where(flat_d == -self._root - 1, out, 0).reshape(d.shape)
+        if getattr(self, "_path_arrays", None) is None:
+            self._path_arrays = _dataset_paths(self.counts, *self._parents(), len(self._node_count))
+        out[self.counts[flat_d] == 0] = 0
+        _count_down(*self._path_arrays, self._node_count, self._left_count, flat_d, out)
+        return out.reshape(d.shape)
 
     def _parents(self) -> tuple[np.ndarray, np.ndarray]:
         """Per internal node then per dataset leaf (``nodes + d``): its parent (-1: the root or no

@@ -12,11 +12,11 @@ A schedule changes ``G`` with the samples consumed (Megatron's ``--step-batch-si
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from tokenloom.errors import ConfigError
+from tokenloom.index.batch_sizes import rampup_steps
 from tokenloom.validate import is_integer
 
 
@@ -62,34 +62,8 @@ class BatchSizeSchedule:
         """Megatron-LM's ``--rampup-batch-size start increment ramp_samples``: the batch grows from
         ``start`` by ``increment`` every ``ramp_samples / num_increments`` consumed samples, and is
         ``global_batch_size`` once more than ``ramp_samples`` are consumed."""
-        start, increment = _positive("start", start), _positive("increment", increment)
-        global_batch_size = _positive("global_batch_size", global_batch_size)
-        ramp_samples = _positive("ramp_samples", ramp_samples)
-        difference = global_batch_size - start
-        if difference < 0 or difference % increment:
-            raise ConfigError(
-                f"rampup from {start} to global_batch_size {global_batch_size} in increments of "
-                f"{increment}: the difference {difference} must be a non-negative multiple of it")
-        num_increments = difference // increment
-        if num_increments == 0:
-            return cls(steps=((0, global_batch_size),))
-        per_increment = ramp_samples / num_increments
-        steps = [(0, start)]
-        for k in range(1, num_increments + 1):
-            # the first consumed count c with int(c / per_increment) >= k (and c <= ramp_samples);
-            # below one sample per increment, several increments land on the same count
-            c = max(math.ceil(k * per_increment) - 2, steps[-1][0])
-            while int(c / per_increment) < k:
-                c += 1
-            if c > ramp_samples:
-                break
-            if c == steps[-1][0]:
-                steps[-1] = (c, start + k * increment)
-            else:
-                steps.append((c, start + k * increment))
-        if steps[-1][1] != global_batch_size:
-            steps.append((ramp_samples + 1, global_batch_size))
-        return cls(steps=tuple(steps))
+        return cls(steps=rampup_steps(start=start, increment=increment, ramp_samples=ramp_samples,
+                                      global_batch_size=global_batch_size))
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """The global batch size of a step that starts after ``consumed_samples``."""
