@@ -177,7 +177,8 @@ class _Engines:
     def differing(self, texts: list[str]) -> np.ndarray:
         """Indices of ``texts`` whose ids differ between the engines."""
         fast_tokens, fast_lengths = gigatoken_ids(self._fast.encode_batch(texts))
-        encodings = self._reference.encode_batch_fast(texts, add_special_tokens=False)
+        encode = getattr(self._reference, "encode_batch_fast", None) or self._reference.encode_batch
+        encodings = encode(texts, add_special_tokens=False)
         ids = [encoding.ids for encoding in encodings]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for row in ids for i in row), dtype=np.int64, count=int(lengths.sum()))
