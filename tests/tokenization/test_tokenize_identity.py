@@ -83,7 +83,7 @@ def test_the_scan_finds_exactly_the_code_points_where_the_engines_differ_on_a_se
 
 @pytest.mark.skipif(not os.environ.get("TOKENLOOM_EXHAUSTIVE"), reason=(
     "every one of the 1,112,064 code points in every context alone takes about 100 s per tokenizer "
-    "per tokenizer on two cores; set TOKENLOOM_EXHAUSTIVE=1 to run it (the seeded sample above runs in CI)"))
+    "on two cores; set TOKENLOOM_EXHAUSTIVE=1 to run it (the seeded sample above runs in CI)"))
 @pytest.mark.parametrize("name", COVERED)
 def test_the_scan_finds_exactly_the_code_points_where_the_engines_differ_on_every_code_point(tokenizer_files, name):
     _check_scan(tokenizer_files[name], dv.all_code_points())
