@@ -7,6 +7,7 @@ materialised and every dataset's samples counted by hand.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import warnings
@@ -17,30 +18,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from schedule_fixtures import (
+    TINY,
+    alpha_sums,
+    assert_largest_remainder,
+    classic_rampup,
+    make_plan,
+    schedules,
+    served,
+    step_starts,
+)
 from tokenloom.errors import ConfigError
 from tokenloom.index.batch_sizes import StepRuns
 from tokenloom.index.blend import Blend, largest_remainder_counts
-from tokenloom.index.schedule import MixtureSchedule, SchedulePhase, Until, parse_schedule, plan_schedule
+from tokenloom.index.schedule import MixtureSchedule, SchedulePhase, parse_schedule, plan_schedule
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ------------------------------------------------------------------------------ slow references
-
-
-def classic_rampup(consumed: int, start: int, increment: int, ramp_samples: int, final: int) -> int:
-    """Megatron-LM's RampupBatchsizeNumMicroBatchesCalculator.update, as written there."""
-    num_increments = (final - start) // increment
-    if num_increments == 0 or consumed > ramp_samples:
-        return final
-    return start + int(consumed / (ramp_samples / num_increments)) * increment
-
-
-def step_starts(limit: int, size_at) -> list[int]:
-    """Samples consumed before each step, one step at a time, until past ``limit``."""
-    starts = [0]
-    while starts[-1] <= limit:
-        starts.append(starts[-1] + size_at(starts[-1]))
-    return starts
 
 
 def reference_boundaries(phases, seq_length: int, starts: list[int]) -> tuple[list[int], list[int]]:
@@ -56,95 +51,6 @@ def reference_boundaries(phases, seq_length: int, starts: list[int]) -> tuple[li
         boundaries.append(end)
         tokens += (end - start) * seq
     return requested, boundaries
-
-
-def assert_largest_remainder(counts, weights, size: int) -> None:
-    """``counts`` are the floor or ceiling of the exact quotas, sum to ``size``, and nobody rounded
-    down has a larger fractional part than somebody rounded up (exact fractions, float slack)."""
-    counts = [int(c) for c in counts]
-    assert sum(counts) == size
-    total = sum(Fraction(w) for w in weights)
-    quotas = [Fraction(w) / total * size for w in weights]
-    slack = Fraction(1, 10**9)
-    for c, q in zip(counts, quotas):
-        assert math.floor(q - slack) <= c <= math.ceil(q + slack), (c, float(q))
-    up = [q - math.floor(q) for c, q in zip(counts, quotas) if c > q + slack]
-    down = [q - math.floor(q) for c, q in zip(counts, quotas) if c < q - slack]
-    if up and down:
-        assert min(up) >= max(down) - slack
-
-
-def served(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every position of the run located."""
-    return plan.locate(np.arange(plan.num_samples))
-
-
-def alpha_sums(plan, k: int, starts: list[int]) -> list[Fraction]:
-    """``M(L)`` for L = 0..S of ramp phase ``k``, one position at a time in exact fractions
-    (``starts``: the samples before each step, :func:`step_starts`)."""
-    start, end = plan.boundaries[k], plan.boundaries[k + 1]
-    first = plan.boundary_steps[k]
-    num_steps = plan.boundary_steps[k + 1] - first
-    sums, total = [Fraction(0)], Fraction(0)
-    for x in range(start, end):
-        j = max(i for i, s in enumerate(starts) if s <= x) - first
-        total += Fraction(2 * j + 1, 2 * num_steps)
-        sums.append(total)
-    return sums
-
-
-# ---------------------------------------------------------------------------------- strategies
-
-TINY = [1e-6, 3e-6, 1e-4, 0.01, 0.2, 0.5, 1.0, 7.0]
-
-
-@st.composite
-def schedules(draw, max_phases: int = 6, max_datasets: int = 20):
-    """A random valid schedule with its batch geometry: 2-6 phases, 2-20 datasets, weights down
-    to 1e-6, datasets entering and leaving (zero weight), ramps, every kind of until."""
-    num_phases = draw(st.integers(2, max_phases))
-    num_datasets = draw(st.integers(2, max_datasets))
-    batch = draw(st.integers(1, 12))
-    ramp = None
-    if draw(st.booleans()):
-        start = draw(st.integers(1, batch))
-        increment = draw(st.sampled_from([d for d in range(1, batch + 1) if (batch - start) % d == 0]))
-        ramp = (start, increment, draw(st.integers(1, 60)))
-    size_at = (lambda c: batch) if ramp is None else (lambda c: classic_rampup(c, *ramp, batch))
-    starts = step_starts(6 * 40 * batch + 1000, size_at)
-    seq_length = draw(st.sampled_from([4, 8, 16]))
-    phases, steps, tokens, boundary = [], 0, 0, 0
-    for k in range(num_phases):
-        weights = [draw(st.sampled_from(TINY)) if draw(st.integers(0, 3)) else 0.0 for _ in range(num_datasets)]
-        if not any(weights):
-            weights[draw(st.integers(0, num_datasets - 1))] = 1.0
-        new_steps = steps + draw(st.integers(1, 30))
-        seq = draw(st.sampled_from([None, 4, 8, 32]))
-        kind = draw(st.sampled_from(["steps", "samples", "tokens"]))
-        end = starts[new_steps]
-        # room to ask for less than the step's end (it moves up) while keeping one whole batch
-        slack = max(0, end - starts[steps] - size_at(starts[steps]))
-        inside = draw(st.integers(0, min(slack, size_at(starts[new_steps - 1]) - 1)))
-        if kind == "steps":
-            until = {"steps": new_steps}
-        elif kind == "samples":
-            until = {"samples": end - inside}
-        else:
-            until = {"tokens": tokens + (end - inside - boundary) * (seq or seq_length) - draw(st.integers(0, 3))}
-        phase = SchedulePhase(weights=tuple(weights), until=Until.parse(until), seq_length=seq,
-                              ramp="linear" if k and draw(st.booleans()) else None)
-        phases.append(phase)
-        # the realised boundary, to count the next phase's tokens from (the last is not moved)
-        real_end = end if k < num_phases - 1 or kind == "steps" else end - inside
-        if kind == "tokens" and k == num_phases - 1:
-            real_end = boundary + -(-(until["tokens"] - tokens) // (seq or seq_length))
-        tokens += (real_end - boundary) * (seq or seq_length)
-        steps, boundary = new_steps, real_end
-    return MixtureSchedule(phases=tuple(phases)), batch, ramp, seq_length, starts
-
-
-def make_plan(schedule, batch, ramp, seq_length):
-    return plan_schedule(schedule, seq_length=seq_length, global_batch_size=batch, rampup_batch_size=ramp)
 
 
 # ------------------------------------------------------------------------------------- the tests
@@ -232,10 +138,11 @@ def test_every_prefix_stays_near_its_target(case):
         deviation = np.abs(prefix - plan.targets(k, np.arange(size + 1)))
         split = plan.ramps[k]
         if split is None:
-            bound = plan.blend(k).prefix_bound
+            bound = plan.segments.orders[k].blend().prefix_bound
             assert np.all(bound < 2)
         else:
-            bound = 2.5 + sum(b.prefix_bound for b in (plan.blend(k, "from"), plan.blend(k, "to")) if b is not None)
+            order = plan.segments.orders[k]
+            bound = 2.5 + sum(b.prefix_bound for b in (order.blend("from"), order.blend("to")) if b is not None)
         assert np.all(deviation <= bound + 1e-9)
 
 
@@ -375,3 +282,212 @@ def test_bad_batch_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="one batch-size schedule"):
         plan_schedule(schedule, seq_length=8, global_batch_size=8, rampup_batch_size=[2, 2, 8],
                       batch_size_steps=[(0, 8)])
+
+
+# ------------------------------------------------------------- the inverse and the target mixture
+
+
+def reference_target_weights(plan, starts: list[int], changes=()) -> np.ndarray:
+    """``(N, D)``: the mixture each position aims at, one position at a time: the weights of the
+    last weight change (in the order made) whose ``[position, end of its phase)`` holds it, else
+    the phase's, in a ramp ``(1 - alpha) u + alpha v`` with ``alpha = (2j + 1) / (2J)`` of its step."""
+    phases = plan.schedule.phases
+    rows = []
+    for x in range(plan.num_samples):
+        k = max(i for i, b in enumerate(plan.boundaries[:-1]) if b <= x)
+        weights = phases[k].normalized
+        if phases[k].ramp is not None:
+            j = bisect.bisect_right(starts, x) - 1 - plan.boundary_steps[k]  # the step holding x
+            alpha = (2 * j + 1) / (2 * (plan.boundary_steps[k + 1] - plan.boundary_steps[k]))
+            weights = (1 - alpha) * phases[k - 1].normalized + alpha * phases[k].normalized
+        for position, w in changes:
+            if position <= x < plan.boundaries[k + 1] and position >= plan.boundaries[k]:
+                weights = np.asarray(w) / np.sum(w)
+        rows.append(weights)
+    return np.array(rows)
+
+
+@SETTINGS
+@given(case=schedules(max_phases=4, max_datasets=12))
+def test_positions_of_is_the_inverse_of_locate(case):
+    """Over every sample of every dataset: exactly the positions where locate names it, in order."""
+    schedule, batch, ramp, seq_length, _ = case
+    plan = make_plan(schedule, batch, ramp, seq_length)
+    phases, datasets, _ = served(plan)
+    for d in range(schedule.num_datasets):
+        numbers = np.arange(int(plan.totals[d]))
+        positions = plan.positions_of(d, numbers)
+        assert positions.tolist() == np.flatnonzero(datasets == d).tolist()
+        again = plan.locate(positions)
+        assert again[1].tolist() == [d] * len(numbers) and again[2].tolist() == numbers.tolist()
+        assert again[0].tolist() == phases[positions].tolist()
+    shuffled = np.random.default_rng(0).permutation(int(plan.totals[0]))[:7].reshape(-1, 1)  # any order, any shape
+    assert plan.positions_of(0, shuffled).shape == shuffled.shape
+    assert plan.locate(plan.positions_of(0, shuffled))[2].tolist() == shuffled.tolist()
+
+
+@SETTINGS
+@given(case=schedules(max_phases=4, max_datasets=12))
+def test_target_weights_are_the_phase_weights_or_the_ramps_step(case):
+    schedule, batch, ramp, seq_length, starts = case
+    plan = make_plan(schedule, batch, ramp, seq_length)
+    targets = plan.target_weights(np.arange(plan.num_samples))
+    assert targets.shape == (plan.num_samples, schedule.num_datasets)
+    np.testing.assert_allclose(targets, reference_target_weights(plan, starts), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(targets.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+    assert plan.target_weights(np.array([[0]])).shape == (1, 1, schedule.num_datasets)
+
+
+# ------------------------------------------------------------------------------- weight changes
+
+
+def draw_weights(draw, num_datasets: int) -> list[float]:
+    weights = [draw(st.sampled_from(TINY)) if draw(st.integers(0, 3)) else 0.0 for _ in range(num_datasets)]
+    if not any(weights):
+        weights[draw(st.integers(0, num_datasets - 1))] = 1.0
+    return weights
+
+
+@st.composite
+def split_series(draw):
+    """A random plan, then 1-4 weight changes at global-batch boundaries anywhere in the run (in
+    any order: a change before an earlier one replaces it), each with the plans before and after."""
+    schedule, batch, ramp, seq_length, starts = draw(schedules(max_phases=4, max_datasets=10))
+    plan = make_plan(schedule, batch, ramp, seq_length)
+    cuts = [s for s in starts if s < plan.num_samples]
+    changes = [(draw(st.sampled_from(cuts)), draw_weights(draw, schedule.num_datasets))
+               for _ in range(draw(st.integers(1, 4)))]
+    return plan, changes, starts
+
+
+def reference_datasets(plan, changes) -> np.ndarray:
+    """The dataset at every position after ``changes``, position by position: a change's stretch
+    ``[position, end of phase)`` is the Blend of its largest-remainder counts, read from its
+    start; a later change overrides what it covers; elsewhere the plan as declared."""
+    datasets = served(plan)[1].copy()
+    for position, weights in changes:
+        k = int(plan.phase_of(position))
+        end = plan.boundaries[k + 1]
+        counts = largest_remainder_counts(weights, end - position)
+        datasets[position:end] = Blend(counts.astype(float), end - position).materialize()[0]
+    return datasets
+
+
+@SETTINGS
+@given(case=split_series())
+def test_a_weight_change_keeps_the_prefix_and_numbers_every_dataset_on(case):
+    plan, changes, starts = case
+    declared, num_datasets = plan, plan.num_datasets
+    for n, (position, weights) in enumerate(changes, 1):
+        before_phases, before_datasets, before_samples = served(plan)
+        plan = plan.split_at(position, weights)
+        phases, datasets, samples = served(plan)
+        # before the change: nothing moves
+        assert datasets[:position].tolist() == before_datasets[:position].tolist()
+        assert samples[:position].tolist() == before_samples[:position].tolist()
+        assert phases.tolist() == before_phases.tolist()  # stretches stay in their declared phase
+        # the rest of the phase: largest remainder of the new weights over its remaining samples
+        k = int(plan.phase_of(position))
+        end = plan.boundaries[k + 1]
+        realised = np.bincount(datasets[position:end], minlength=num_datasets)
+        assert realised.tolist() == largest_remainder_counts(weights, end - position).tolist()
+        assert_largest_remainder(realised, weights, end - position)
+        # later phases: the same datasets in the same order, each numbered on from its actual count
+        assert datasets[end:].tolist() == before_datasets[end:].tolist()
+        shift = plan.samples_reached(end) - np.bincount(before_datasets[:end], minlength=num_datasets)
+        assert (samples[end:] - before_samples[end:]).tolist() == shift[datasets[end:]].tolist()
+        reached = np.bincount(datasets[:position], minlength=num_datasets)
+        assert plan.samples_reached(position).tolist() == reached.tolist()
+        # the whole run: each dataset's samples 0 .. N - 1, none twice; counts and totals agree
+        for d in range(num_datasets):
+            numbers = np.arange(int(plan.totals[d]))
+            assert samples[datasets == d].tolist() == numbers.tolist()
+            assert plan.positions_of(d, numbers).tolist() == np.flatnonzero(datasets == d).tolist()
+        for j in range(plan.num_phases):
+            mine = datasets[plan.boundaries[j]: plan.boundaries[j + 1]]
+            assert np.bincount(mine, minlength=num_datasets).tolist() == plan.counts[j].tolist()
+        assert datasets.tolist() == reference_datasets(declared, changes[:n]).tolist()
+        assert len(plan.splits) == n and plan.splits[-1].position == position
+    np.testing.assert_allclose(plan.target_weights(np.arange(plan.num_samples)),
+                               reference_target_weights(plan, starts, changes), rtol=0, atol=1e-12)
+
+
+def test_a_weight_change_inside_a_ramp_keeps_its_order_then_holds_the_new_weights():
+    schedule = parse_schedule([{"weights": [1, 0], "until": {"samples": 40}},
+                               {"weights": [0, 1], "until": {"samples": 120}, "ramp": "linear"},
+                               {"weights": [1, 1], "until": {"samples": 160}}])
+    plan = plan_schedule(schedule, seq_length=8, global_batch_size=8)
+    split = plan.split_at(80, [1, 3])
+    assert split.locate(np.arange(80))[1].tolist() == plan.locate(np.arange(80))[1].tolist()
+    reached = plan.samples_reached(80)
+    assert split.counts[1].tolist() == (reached - plan.cumulative[1] + [10, 30]).tolist()
+    np.testing.assert_allclose(split.target_weights(np.array([79, 80, 119])),
+                               [plan.target_weights(79), [0.25, 0.75], [0.25, 0.75]])
+    assert split.target_weights(np.array([120])).tolist() == [[0.5, 0.5]]  # the next phase as declared
+    # the whole ramp replaced when the change is at its first position
+    assert plan.split_at(40, [1, 3]).counts[1].tolist() == [20, 60]
+
+
+def test_a_series_of_changes_shares_every_stretch_it_does_not_touch():
+    """Online mixing: many changes keep one stretch per change, and each new plan reuses the
+    earlier stretches' orders (and the Blends they built), so a change costs no re-planning."""
+    schedule = parse_schedule([{"weights": [1, 1, 1], "until": {"samples": 800}},
+                               {"weights": [1, 2, 3], "until": {"samples": 1600}}])
+    plan = plan_schedule(schedule, seq_length=8, global_batch_size=16)
+    first_blend = plan.segments.orders[0].blend()
+    for n, position in enumerate(range(816, 1600, 64), 1):
+        before = plan
+        plan = plan.split_at(position, [n % 3 + 1, 1, (n * 7) % 5])
+        assert len(plan.segments.orders) == 2 + n  # one stretch per change, state O(changes x D)
+        assert all(a is b for a, b in zip(plan.segments.orders[:-1], before.segments.orders, strict=True))
+    assert plan.segments.orders[0].blend() is first_blend
+    _, datasets, samples = served(plan)
+    for d in range(3):
+        assert samples[datasets == d].tolist() == list(range(int(plan.totals[d])))
+
+
+def test_check_room_names_the_dataset_and_phase_a_change_runs_out_in():
+    schedule = parse_schedule([{"weights": [1, 1], "until": {"samples": 100}},
+                               {"weights": [1, 1], "until": {"samples": 200}}])
+    plan = plan_schedule(schedule, seq_length=8, global_batch_size=10)
+    plan.check_room(plan.totals)  # [100, 100]: the plan as built fits
+    split = plan.split_at(50, [0, 1])  # dataset 1: 25 + 50 in phase 1, then 50 more
+    assert split.counts.tolist() == [[25, 75], [50, 50]]
+    with pytest.raises(ConfigError, match=r"dataset 1 \('code'\): the schedule needs 125 of its samples by the end "
+                                          r"of phase 2 \(50 in that phase\), more than the 100"):
+        split.check_room(plan.totals, names=["web", "code"])
+    with pytest.raises(ConfigError, match=r"dataset 1: .* needs 75 .* end of phase 1 \(75 in that phase\), more than "
+                                          r"the 60"):
+        split.check_room([100, 60])
+
+
+@pytest.mark.parametrize(("position", "weights", "message"), [
+    (55, [1, 1], r"split at position 55: it falls inside optimizer step 5 \(samples 50 to 59\); expected a "
+                 r"global-batch boundary such as 50 or 60"),
+    (200, [1, 1], r"split at position 200; expected a sample position in \[0, 200\)"),
+    (-10, [1, 1], r"split at position -10; expected"),
+    (50.0, [1, 1], r"split at position 50.0; expected"),
+    (50, [1, 1, 1], r"split at position 50: weights has 3 entries; expected 2, one per dataset"),
+    (50, [1, -1], r"split at position 50: weights\[1\]=-1; expected a finite, non-negative number"),
+    (50, [0, 0], r"split at position 50: weights: all 2 are zero"),
+    (50, "1 1", r"split at position 50: weights: '1 1'; expected a non-empty list"),
+])
+def test_a_bad_weight_change_names_the_position(position, weights, message):
+    plan = plan_schedule(parse_schedule([{"weights": [1, 1], "until": {"samples": 200}}]), seq_length=8,
+                         global_batch_size=10)
+    with pytest.raises(ConfigError, match=message):
+        plan.split_at(position, weights)
+
+
+def test_positions_of_refuses_what_the_schedule_never_serves():
+    plan = plan_schedule(parse_schedule([{"weights": [1, 1, 0], "until": {"samples": 20}}]), seq_length=8,
+                         global_batch_size=10)
+    with pytest.raises(ConfigError, match=r"samples of dataset 0 span \[3, 10\]; the schedule serves its samples "
+                                          r"\[0, 10\)"):
+        plan.positions_of(0, [3, 10])
+    with pytest.raises(ConfigError, match=r"samples of dataset 2 span \[0, 0\]; the schedule serves its samples "
+                                          r"\[0, 0\)"):
+        plan.positions_of(2, [0])
+    with pytest.raises(ConfigError, match=r"dataset=3; expected a dataset id in \[0, 3\)"):
+        plan.positions_of(3, [0])
+    assert plan.positions_of(1, np.array([], dtype=np.int64)).tolist() == []

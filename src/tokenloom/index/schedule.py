@@ -32,12 +32,23 @@ Counts, exact per phase
 Order and numbering
     A constant phase is ordered by :class:`tokenloom.index.blend.Blend` over its counts, the
     closed form of stateless mode, so a one-phase schedule is exactly today's blend; a ramp's
-    from- and to-slots each by their own Blend. Dataset ``d``'s sample number at a position is
-    what it gave in earlier phases (``cumulative[k, d]``) plus its samples before that position
-    in this phase: over the whole schedule every dataset serves its samples ``0, 1, 2, ...`` in
-    order, none twice, none skipped. Every prefix of a constant phase holds dataset ``d`` within
-    ``Blend.prefix_bound[d]`` (< 2) samples of ``L * counts[d] / S``. :meth:`SchedulePlan.locate`
-    is closed form: a search over the phases, then O(tree depth) per position, no array.
+    from- and to-slots each by their own Blend (:mod:`tokenloom.index.phase_order`). Dataset
+    ``d``'s sample number at a position is what it gave in earlier phases (``cumulative[k, d]``)
+    plus its samples before that position in this phase: over the whole schedule every dataset
+    serves its samples ``0, 1, 2, ...`` in order, none twice, none skipped. Every prefix of a
+    constant phase holds dataset ``d`` within ``Blend.prefix_bound[d]`` (< 2) samples of
+    ``L * counts[d] / S``. :meth:`SchedulePlan.locate` and its inverse
+    :meth:`SchedulePlan.positions_of` are closed form: a search over the phases, then O(tree
+    depth) per position (a ramp's inverse: a bisection over it), no array.
+
+Weight changes
+    :meth:`SchedulePlan.split_at` gives a plan whose weights change at a global-batch boundary
+    for the rest of that phase (serving's reweight, issue 41's online mixing): everything before
+    is served as before, and every dataset numbers on from the count it reached. The plan is a
+    list of stretches (:class:`tokenloom.index.phase_order.Segments`): a series of changes costs
+    O(changes x D) state and O(log changes) per lookup. :meth:`SchedulePlan.target_weights` is
+    the mixture each position aims at (a ramp's: the interpolated weights of its step).
+    Exact mode's per-phase arrays, megatron-core's greedy, are :mod:`tokenloom.index.schedule_exact`.
 
 Worked example: ``global_batch_size=4``, phases ``[0.5, 0.5]`` until 10 samples, then
 ``[0, 1]`` until 16 samples. Phase 1's boundary 10 falls inside step 2 (samples 8-11) and moves
@@ -56,16 +67,16 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.batch_sizes import StepRuns, check_steps, rampup_steps
-from tokenloom.index.blend import Blend, largest_remainder_counts
-from tokenloom.validate import check_positive_int
+from tokenloom.index.phase_order import PhaseOrder, RampSplit, Segments, plan_ramp
+from tokenloom.validate import check_positive_int, is_integer
 
 __all__ = [
     "RAMPS",
     "UNTIL_KINDS",
     "MixtureSchedule",
-    "RampSplit",
     "SchedulePhase",
     "SchedulePlan",
+    "ScheduleSplit",
     "Until",
     "parse_schedule",
     "plan_schedule",
@@ -76,7 +87,6 @@ UNTIL_KINDS = ("tokens", "steps", "samples")
 #: How a phase's weights may move from the previous phase's (besides not at all).
 RAMPS = ("linear",)
 _PHASE_KEYS = ("weights", "until", "ramp", "seq_length")
-_MAX_RAMP_PRODUCT = 1 << 62  # 2J * S: the ramp's integer sums stay in int64
 
 
 def _whole(value, what: str) -> int:
@@ -90,6 +100,21 @@ def _whole(value, what: str) -> int:
     if value < 1:
         raise ConfigError(f"{what}={value!r}; expected a positive whole number")
     return int(value)
+
+
+def _checked_weights(weights) -> tuple[float, ...]:
+    """Weights as floats: a non-empty list, each finite and non-negative, one positive."""
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, np.ndarray)) or not len(weights):
+        raise ConfigError(f"weights: {weights!r}; expected a non-empty list of numbers, one per dataset")
+    checked = []
+    for d, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"weights[{d}]={w!r}; expected a finite, non-negative number")
+        checked.append(float(w))
+    if not any(checked):
+        raise ConfigError(f"weights: all {len(checked)} are zero; expected at least one positive weight")
+    return tuple(checked)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,18 +164,7 @@ class SchedulePhase:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "until", Until.parse(self.until))
-        weights = self.weights
-        if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, np.ndarray)) or not len(weights):
-            raise ConfigError(f"weights: {weights!r}; expected a non-empty list of numbers, one per dataset")
-        checked = []
-        for d, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(w) or w < 0:
-                raise ConfigError(f"weights[{d}]={w!r}; expected a finite, non-negative number")
-            checked.append(float(w))
-        if not any(checked):
-            raise ConfigError(f"weights: all {len(checked)} are zero; expected at least one positive weight")
-        object.__setattr__(self, "weights", tuple(checked))
+        object.__setattr__(self, "weights", _checked_weights(self.weights))
         if self.ramp is not None and self.ramp not in RAMPS:
             raise ConfigError(f"ramp: {self.ramp!r}; expected {' or '.join(repr(r) for r in RAMPS)}, or none")
         if self.seq_length is not None:
@@ -221,84 +235,27 @@ def parse_schedule(entries) -> MixtureSchedule:
     return MixtureSchedule(phases=tuple(phases))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class RampSplit:
-    """How a linear-ramp phase divides into from-slots (the previous weights) and to-slots (its own)."""
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSplit:
+    """A weight change :meth:`SchedulePlan.split_at` made: ``weights`` from ``position`` to the end
+    of the phase holding it."""
 
-    num_steps: int
-    """``J``: optimizer steps the phase spans (a partial last step of the run counts)."""
-    to_samples: int
-    """``V(S)``: to-slots among the phase's samples; the other ``S - V(S)`` are from-slots."""
-    from_counts: np.ndarray
-    """``(D,)`` int64: ``LR(u, S - V(S))``, the from-slots' samples per dataset."""
-    to_counts: np.ndarray
-    """``(D,)`` int64: ``LR(v, V(S))``, the to-slots' samples per dataset."""
-    from_weights: np.ndarray
-    """``(D,)`` float64: ``u``, the previous phase's normalised weights."""
-    to_weights: np.ndarray
-    """``(D,)`` float64: ``v``, this phase's normalised weights."""
-    run_step: np.ndarray
-    """``(R,)`` int64: the phase's step index where each run of equal steps starts."""
-    run_sample: np.ndarray
-    """``(R,)`` int64: the phase's samples before each run."""
-    run_size: np.ndarray
-    """``(R,)`` int64: the global batch size of the run's steps."""
-    run_sum: np.ndarray
-    """``(R,)`` int64: ``sum of size_i * (2i + 1)`` over the phase's steps before each run."""
-
-    def alpha_sums(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(2J * M(L), j)`` for phase prefixes ``lengths`` (int64, ``0 <= L <= S``): twice ``J``
-        times the summed ``alpha`` of the first ``L`` positions, and the step of position ``L``."""
-        r = np.searchsorted(self.run_sample, lengths, side="right") - 1
-        j = self.run_step[r] + (lengths - self.run_sample[r]) // self.run_size[r]  # step of position L
-        before = self.run_sample[r] + (j - self.run_step[r]) * self.run_size[r]  # samples before step j
-        sums = self.run_sum[r] + self.run_size[r] * (j * j - self.run_step[r] ** 2) + (lengths - before) * (2 * j + 1)
-        return sums, j
-
-    def to_slots(self, lengths: np.ndarray) -> np.ndarray:
-        """``V(L)``: to-slots among the phase's first ``lengths`` positions (round half up)."""
-        sums, _ = self.alpha_sums(lengths)
-        return (sums + self.num_steps) // (2 * self.num_steps)
-
-
-def _ramp_split(previous: SchedulePhase, phase: SchedulePhase, runs: StepRuns, start: int, end: int,
-                number: int) -> RampSplit:
-    first, stop = int(runs.step_at(start)), int(runs.step_at(end - 1)) + 1
-    num_steps, size = stop - first, end - start
-    if 2 * num_steps * size >= _MAX_RAMP_PRODUCT:
-        raise ConfigError(f"phase {number}: ramp over {num_steps} steps of {size} samples; the ramp's sums need "
-                          f"2 x steps x samples below 2**62: make the phase shorter or its batches larger")
-    run_step, run_sample, run_size, run_sum = [], [], [], []
-    samples = total = 0
-    for lo, hi, batch in runs.runs_between(first, stop):
-        a, b = lo - first, hi - first
-        run_step.append(a)
-        run_sample.append(samples)
-        run_size.append(batch)
-        run_sum.append(total)
-        samples += (b - a) * batch
-        total += batch * (b * b - a * a)  # sum of (2i + 1) over i in [a, b) is b^2 - a^2
-    as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    u, v = previous.normalized, phase.normalized
-    zero = np.zeros(len(v), dtype=np.int64)
-    slots = RampSplit(num_steps=num_steps, to_samples=0, from_counts=zero, to_counts=zero, from_weights=u,
-                      to_weights=v, run_step=as_array(run_step), run_sample=as_array(run_sample),
-                      run_size=as_array(run_size), run_sum=as_array(run_sum))  # the slots, counts to come
-    to_samples = int(slots.to_slots(np.array([size], dtype=np.int64))[0])
-    return dataclasses.replace(
-        slots, to_samples=to_samples,
-        from_counts=largest_remainder_counts(u, size - to_samples) if size > to_samples else zero,
-        to_counts=largest_remainder_counts(v, to_samples) if to_samples else zero)
+    position: int
+    """The run's sample position where the weights change (a global-batch boundary)."""
+    weights: tuple[float, ...]
+    """Per-sample weight of every dataset of the schedule, any positive scale."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SchedulePlan:
     """A schedule's phases placed on the run's samples, with exact counts (see the module docstring).
 
-    Arrays are int64 and read-only; ``P`` phases, ``D`` datasets."""
+    Arrays are int64 and read-only; ``P`` phases, ``D`` datasets. The order lives in
+    :attr:`segments` (one stretch per phase, plus one per weight change); :attr:`counts` and
+    :attr:`cumulative` sum it per declared phase."""
 
     schedule: MixtureSchedule
-    """The schedule planned."""
+    """The schedule planned (its phases as declared; :attr:`splits` changed weights since)."""
     seq_lengths: tuple[int, ...]
     """Tokens per sample of each phase."""
     requested: tuple[int, ...]
@@ -307,18 +264,32 @@ class SchedulePlan:
     """``P + 1`` sample positions: phase ``k`` holds ``[boundaries[k], boundaries[k + 1])``."""
     boundary_steps: tuple[int, ...]
     """``P + 1``: optimizer steps begun before each boundary (the last counts a partial step)."""
-    counts: np.ndarray
+    batch_steps: tuple[tuple[int, int], ...]
+    """The batch-size schedule the boundaries were placed on, as ``(threshold_samples,
+    global_batch_size)`` pairs: serving must step the same way, and :meth:`split_at` cuts only
+    where one of its steps starts."""
+    ramps: tuple[RampSplit | None, ...]
+    """Per phase, its ramp's split as planned (None for a constant phase); a split inside a ramp
+    keeps the ramp's order up to the split."""
+    segments: Segments
+    """The run as stretches, each with its closed-form order and the counts before it."""
+    splits: tuple[ScheduleSplit, ...] = ()
+    """The weight changes made by :meth:`split_at`, in the order made."""
+    counts: np.ndarray = dataclasses.field(init=False)
     """``(P, D)``: samples of each dataset in each phase, summing to the phase's length."""
-    cumulative: np.ndarray
+    cumulative: np.ndarray = dataclasses.field(init=False)
     """``(P + 1, D)``: samples of each dataset before each phase; the last row is what each
     dataset's index must hold (the sum over phases)."""
-    ramps: tuple[RampSplit | None, ...]
-    """Per phase, its ramp's split (None for a constant phase)."""
 
     def __post_init__(self) -> None:
-        for array in (self.counts, self.cumulative):
+        served = self.segments.served()  # (G, D)
+        counts = np.zeros((self.num_phases, served.shape[1]), dtype=np.int64)
+        np.add.at(counts, self.segments.phases, served)
+        cumulative = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)])
+        for array in (counts, cumulative):
             array.setflags(write=False)
-        object.__setattr__(self, "_blends", {})  # (phase, part) -> Blend, made on first use
+        object.__setattr__(self, "counts", counts)
+        object.__setattr__(self, "cumulative", cumulative)
 
     @property
     def num_samples(self) -> int:
@@ -329,6 +300,11 @@ class SchedulePlan:
     def num_phases(self) -> int:
         """Phases of the schedule."""
         return len(self.boundaries) - 1
+
+    @property
+    def num_datasets(self) -> int:
+        """Datasets of the schedule (the union of its phases')."""
+        return self.schedule.num_datasets
 
     @property
     def totals(self) -> np.ndarray:
@@ -353,68 +329,94 @@ class SchedulePlan:
             raise ConfigError(f"positions span [{p.min()}, {p.max()}]; the schedule serves [0, {self.num_samples})")
         return p
 
-    def blend(self, phase: int, part: str = "whole") -> Blend | None:
-        """The Blend ordering a constant phase (``part="whole"``) or a ramp's from- or to-slots
-        (``"from"``, ``"to"``); None when that part has no samples."""
-        key = (phase, part)
-        if key not in self._blends:
-            ramp = self.ramps[phase]
-            if (part == "whole") != (ramp is None):
-                raise ConfigError(f"phase {phase + 1} is {'a ramp' if ramp else 'constant'}; it has no {part!r} blend")
-            counts = self.counts[phase] if ramp is None else ramp.from_counts if part == "from" else ramp.to_counts
-            size = int(counts.sum())
-            blend = None if size == 0 else Blend(counts.astype(np.float64), size)
-            if blend is not None and not np.array_equal(blend.counts, counts):  # counts as weights give back counts
-                raise ConfigError(f"phase {phase + 1}: a blend over counts {counts.tolist()} gave "
-                                  f"{blend.counts.tolist()}")
-            self._blends[key] = blend
-        return self._blends[key]
-
     def locate(self, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(phase, dataset, sample)`` int64 arrays for the run's sample ``positions``: the 0-based
         phase, the dataset, and that dataset's sample number over the whole schedule."""
         p = self._positions(positions)
-        flat = p.reshape(-1)
-        phases = np.searchsorted(np.asarray(self.boundaries[1:], dtype=np.int64), flat, side="right")
-        datasets, samples = np.empty_like(flat), np.empty_like(flat)
-        for k in np.unique(phases).tolist():
-            mask = phases == k
-            local = flat[mask] - self.boundaries[k]
-            d, s = self._locate_in_phase(k, local)
-            datasets[mask], samples[mask] = d, s + self.cumulative[k, d]
-        return phases.reshape(p.shape), datasets.reshape(p.shape), samples.reshape(p.shape)
+        segments, datasets, samples = self.segments.locate(p.reshape(-1))
+        return (self.segments.phases[segments].reshape(p.shape), datasets.reshape(p.shape),
+                samples.reshape(p.shape))
 
-    def _locate_in_phase(self, k: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ramp = self.ramps[k]
-        if ramp is None:
-            return self.blend(k).lookup(local)
-        sums, j = ramp.alpha_sums(local)
-        to_before = (sums + ramp.num_steps) // (2 * ramp.num_steps)
-        is_to = (sums + 2 * j + 1 + ramp.num_steps) // (2 * ramp.num_steps) > to_before
-        d, s = np.empty_like(local), np.empty_like(local)
-        for mask, mine, other, slots, other_slots in (
-                (is_to, "to", "from", to_before, local - to_before),
-                (~is_to, "from", "to", local - to_before, to_before)):
-            if not mask.any():
-                continue
-            d[mask], s[mask] = self.blend(k, mine).lookup(slots[mask])
-            other_blend = self.blend(k, other)
-            if other_blend is not None:  # the dataset's samples in the other slots before this position
-                s[mask] += other_blend.samples_before(d[mask], other_slots[mask])
-        return d, s
+    def positions_of(self, dataset: int, samples) -> np.ndarray:
+        """The run's positions serving samples ``samples`` of dataset ``dataset`` (int64, their
+        shape): the inverse of :meth:`locate`, closed form as it is (a binary search over the
+        stretches, then the stretch's order inverted; see :mod:`tokenloom.index.phase_order`)."""
+        if not is_integer(dataset) or not 0 <= int(dataset) < self.num_datasets:
+            raise ConfigError(f"dataset={dataset!r}; expected a dataset id in [0, {self.num_datasets})")
+        s = np.asarray(samples)
+        if s.dtype.kind not in "iu":
+            raise ConfigError(f"samples must be integers, got dtype {s.dtype}")
+        flat, total = s.reshape(-1).astype(np.int64), int(self.totals[dataset])
+        if flat.size and (flat.min() < 0 or flat.max() >= total):
+            raise ConfigError(f"samples of dataset {dataset} span [{flat.min()}, {flat.max()}]; the schedule serves "
+                              f"its samples [0, {total})")
+        return self.segments.positions_of(int(dataset), flat).reshape(s.shape)
+
+    def target_weights(self, positions) -> np.ndarray:
+        """The target mixture at each position (float64, ``positions.shape + (D,)``, rows summing to
+        one): the weights of the phase (or of the weight change) holding it; in a linear ramp
+        ``(1 - alpha_j) u + alpha_j v`` of its step ``j``, the ``alpha`` the counts are built on."""
+        p = self._positions(positions)
+        return self.segments.target_weights(p.reshape(-1)).reshape((*p.shape, self.num_datasets))
+
+    def samples_reached(self, position: int) -> np.ndarray:
+        """``(D,)`` int64: samples each dataset served before ``position`` (``0 <= position <=
+        num_samples``), closed form: the counts before its stretch plus a prefix count in it."""
+        if not is_integer(position) or not 0 <= int(position) <= self.num_samples:
+            raise ConfigError(f"position={position!r}; expected a sample position in [0, {self.num_samples}]")
+        return self.segments.reached(int(position))
 
     def targets(self, phase: int, lengths) -> np.ndarray:
         """``(n, D)`` float64: each dataset's target count among phase ``phase``'s first ``lengths``
-        samples: ``L * counts / S`` in a constant phase, ``u * (L - M(L)) + v * M(L)`` in a ramp."""
+        samples: ``L * counts / S`` in a constant phase, ``u * (L - M(L)) + v * M(L)`` in a ramp; in
+        a stretch a weight change began, the counts reached at its start plus its own target."""
         length = self.phase_length(phase)
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if L.size and (L.min() < 0 or L.max() > length):
             raise ConfigError(f"lengths span [{L.min()}, {L.max()}]; phase {phase + 1} holds {length} samples")
-        ramp = self.ramps[phase]
-        if ramp is None:
-            return L[:, None] * (self.counts[phase] / length)[None, :]
-        m = ramp.alpha_sums(L)[0] / (2 * ramp.num_steps)  # (n,) float64
-        return (L - m)[:, None] * ramp.from_weights[None, :] + m[:, None] * ramp.to_weights[None, :]
+        segments = self.segments
+        first, last = np.searchsorted(segments.phases, [phase, phase + 1])  # the phase's stretches
+        g = np.clip(np.searchsorted(segments.starts, self.boundaries[phase] + L, side="right") - 1, first, last - 1)
+        out = np.empty((L.shape[0], self.num_datasets), dtype=np.float64)
+        for h in np.unique(g).tolist():
+            mask = g == h
+            local = self.boundaries[phase] + L[mask] - segments.starts[h]
+            out[mask] = (segments.before[h] - segments.before[first])[None, :] + segments.orders[h].targets(local)
+        return out
+
+    def split_at(self, position: int, weights) -> SchedulePlan:
+        """This plan with ``weights`` from ``position`` to the end of the phase holding it.
+
+        How a weight change at a resume (serving's reweight, issue 41's online mixing) composes
+        with the schedule: ``position`` must start an optimizer step; positions before it are
+        served as before (a ramp cut here keeps its order up to the cut); the rest of the phase
+        is a constant blend of ``weights`` with largest-remainder counts over its samples; later
+        phases are as declared. Every dataset numbers on from the count it actually reached, so
+        no sample is served twice or skipped. The new plan needs other totals: check them with
+        :meth:`check_room`. A series of splits keeps O(splits x D) state and O(log splits) per
+        lookup (:class:`~tokenloom.index.phase_order.Segments`)."""
+        if not is_integer(position) or not 0 <= int(position) < self.num_samples:
+            raise ConfigError(f"split at position {position!r}; expected a sample position in [0, {self.num_samples})")
+        position = int(position)
+        runs = StepRuns.of(self.batch_steps)
+        step = int(runs.step_at(position))
+        first = int(runs.step_start(step))
+        if first != position:
+            after = first + int(runs.size_of(step))
+            raise ConfigError(f"split at position {position}: it falls inside optimizer step {step} (samples {first} "
+                              f"to {after - 1}); expected a global-batch boundary such as {first} or {after}")
+        try:
+            checked = _checked_weights(weights)
+        except ConfigError as exc:
+            raise ConfigError(f"split at position {position}: {exc}") from None
+        if len(checked) != self.num_datasets:
+            raise ConfigError(f"split at position {position}: weights has {len(checked)} entries; expected "
+                              f"{self.num_datasets}, one per dataset of the schedule")
+        phase = int(self.phase_of(position))
+        end = self.boundaries[phase + 1]
+        segments = self.segments.cut(position, end, PhaseOrder.constant(checked, end - position))
+        return dataclasses.replace(self, segments=segments,
+                                   splits=(*self.splits, ScheduleSplit(position=position, weights=checked)))
 
     def check_room(self, room, *, names: Sequence[str] | None = None, what: str = "max_epochs") -> None:
         """ConfigError unless every dataset's index can give what the schedule asks of it by the
@@ -475,7 +477,8 @@ def plan_schedule(schedule: MixtureSchedule, *, seq_length: int, global_batch_si
     """
     seq_length = check_positive_int("seq_length", seq_length)
     global_batch_size = check_positive_int("global_batch_size", global_batch_size)
-    runs = StepRuns.of(_batch_steps(global_batch_size, rampup_batch_size, batch_size_steps))
+    batch_steps = _batch_steps(global_batch_size, rampup_batch_size, batch_size_steps)
+    runs = StepRuns.of(batch_steps)
     phases = schedule.phases
     seq_lengths = tuple(p.seq_length or seq_length for p in phases)
     boundaries, requested, tokens_before = [0], [], 0
@@ -499,19 +502,16 @@ def plan_schedule(schedule: MixtureSchedule, *, seq_length: int, global_batch_si
         requested.append(ask)
         boundaries.append(end)
         tokens_before += (end - start) * seq
-    counts, ramps = [], []
+    orders, ramps = [], []
     for k, phase in enumerate(phases):
         start, end = boundaries[k], boundaries[k + 1]
         if phase.ramp is None:
             ramps.append(None)
-            counts.append(largest_remainder_counts(phase.weights, end - start))
+            orders.append(PhaseOrder.constant(phase.weights, end - start))
         else:
-            split = _ramp_split(phases[k - 1], phase, runs, start, end, k + 1)
-            ramps.append(split)
-            counts.append(split.from_counts + split.to_counts)
-    counts_array = np.stack(counts).astype(np.int64)  # (P, D)
-    cumulative = np.concatenate([np.zeros((1, counts_array.shape[1]), np.int64), np.cumsum(counts_array, axis=0)])
+            ramps.append(plan_ramp(phases[k - 1].normalized, phase.normalized, runs, start, end, number=k + 1))
+            orders.append(PhaseOrder.ramped(ramps[-1]))
     steps = tuple(0 if b == 0 else int(runs.step_at(b - 1)) + 1 for b in boundaries)
     return SchedulePlan(schedule=schedule, seq_lengths=seq_lengths, requested=tuple(requested),
-                        boundaries=tuple(boundaries), boundary_steps=steps, counts=counts_array,
-                        cumulative=cumulative, ramps=tuple(ramps))
+                        boundaries=tuple(boundaries), boundary_steps=steps, batch_steps=tuple(batch_steps),
+                        ramps=tuple(ramps), segments=Segments.of_phases(boundaries, tuple(orders)))
