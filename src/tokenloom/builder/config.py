@@ -2,8 +2,9 @@
 
 A build config speaks Megatron-LM's vocabulary (``blend`` or ``blend_per_split``, ``split``,
 ``seq_length``, ``seed``, samples per split or ``train_iters`` x ``global_batch_size``,
-``add_extra_token``) so a Megatron job's data arguments carry over unchanged. It is a frozen
-dataclass; :func:`load_build_config` reads one from a YAML or JSON file.
+``add_extra_token``) so a Megatron job's data arguments carry over unchanged. Instead of ``blend``
+and a train length it may give a mixture schedule, ``phases`` (:mod:`tokenloom.builder.schedule`).
+It is a frozen dataclass; :func:`load_build_config` reads one from a YAML or JSON file.
 
 Only some fields change the arrays (:data:`ARRAY_FIELDS`); the cache key hashes exactly those (see
 :mod:`tokenloom.builder.cache`). The rest say where and how to build (cache directory, timeouts).
@@ -22,8 +23,21 @@ from typing import Any
 import numpy as np
 import yaml
 
+from tokenloom.builder.schedule import (
+    PhaseSpec,
+    batch_size_steps,
+    epoch_room,
+    format_schedule,
+    not_built_yet,
+    plan_phases,
+    read_max_epochs,
+    read_phases,
+    train_steps,
+    union_stores,
+)
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import DEFAULT_SURPLUS, BlendSpec
+from tokenloom.index.schedule import SchedulePlan
 from tokenloom.index.split import SPLIT_NAMES, parse_split
 from tokenloom.validate import check_non_negative_int, check_number, check_positive_int, is_number
 
@@ -49,8 +63,16 @@ class BuildConfig:
     blend_per_split: tuple[BlendSpec | None, BlendSpec | None, BlendSpec | None] | None = None
     """Megatron's ``--train/valid/test-data-path``: one blend per split (train, valid, test)."""
 
+    phases: tuple[PhaseSpec, ...] | None = None
+    """A mixture schedule instead of ``blend`` and a train length: phases in training order, each
+    ``{blend, until: {tokens|steps|samples: N}, ramp: linear, seq_length}`` (mappings are read
+    into :class:`~tokenloom.builder.schedule.PhaseSpec`). One phase is rewritten into ``blend`` and
+    ``train_samples`` (today's build, key for key); several are planned (:meth:`schedule_plan`)
+    and build from the next release."""
+
     split: str | None = None
-    """Megatron's split string such as ``"969,30,1"``; required with ``blend``, unused otherwise."""
+    """Megatron's split string such as ``"969,30,1"``; required with ``blend`` or ``phases``,
+    unused otherwise."""
 
     train_samples: int | None = None
     """Samples the train split must provide (``train_iters x global_batch_size``); None: one epoch."""
@@ -60,6 +82,25 @@ class BuildConfig:
 
     test_samples: int | None = None
     """Samples the test split must provide; None: one epoch."""
+
+    global_batch_size: int | None = None
+    """Megatron's ``--global-batch-size``: samples per optimizer step (the final size under a ramp).
+    Required with ``phases`` (a phase ends at a step's end, ``until: {steps: N}`` counts steps);
+    with ``train_iters`` it gives ``train_samples``."""
+
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """Megatron-LM's ``--rampup-batch-size``: ``[start, increment, ramp_samples]``, the batch
+    growing to ``global_batch_size`` (:func:`tokenloom.index.batch_sizes.rampup_steps`)."""
+
+    step_batch_size_schedule: str | None = None
+    """Megatron-LM's ``--step-batch-size-schedule`` such as ``"0:768 250B:1536"``: thresholds in
+    tokens (K/M/B/T suffixes), divided by ``seq_length`` as Megatron-LM does; its last size is the
+    global batch size."""
+
+    max_epochs: float | Mapping[str, float] | None = None
+    """The most epochs of its train documents a store may serve (like OLMo-core's
+    ``max_repetition_ratio``): one number for every store, or ``{store: epochs}``. A build whose
+    train split needs more is a ConfigError naming the store and the phase. None: no cap."""
 
     seed: int = 1234
     """Megatron's ``--seed``: the RandomState seed of every shuffle (exact) or the Feistel keys."""
@@ -131,15 +172,23 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_length", check_positive_int("seq_length", self.seq_length))
-        if (self.blend is None) == (self.blend_per_split is None):
+        if self.phases is None and (self.blend is None) == (self.blend_per_split is None):
             raise ConfigError(
                 "BuildConfig needs exactly one of blend and blend_per_split, got "
-                f"{'both' if self.blend is not None else 'neither'}; blend cuts every split from one "
-                "set of stores by `split`, blend_per_split gives each split its own stores"
+                f"{'both' if self.blend is not None else 'neither (nor phases)'}; blend cuts every split "
+                "from one set of stores by `split`, blend_per_split gives each split its own stores, phases "
+                "gives a schedule of blends"
             )
         if self.base_dir is not None and (not isinstance(self.base_dir, (str, os.PathLike)) or not str(self.base_dir)):
             raise ConfigError(f"base_dir={self.base_dir!r}; expected a directory path or None")
-        if self.blend is not None:
+        self._check_batch_sizes()
+        if self.phases is not None:
+            self._read_schedule()
+        if self.phases is not None:  # several phases: the stores are the union of theirs
+            if self.split is None:
+                raise ConfigError("BuildConfig.split is required with phases, e.g. split='969,30,1'")
+            parse_split(self.split)
+        elif self.blend is not None:
             blend, budget = _parse_blend(self.blend, "blend")
             blend = self._paths_resolved(blend)
             if self.split is None:
@@ -249,6 +298,134 @@ class BuildConfig:
                     f"{name}_samples is None but the {name} blend has weights; Megatron needs a "
                     f"sample count to blend by weight: set {name}_samples or drop the weights"
                 )
+        if self.max_epochs is not None:
+            self._read_max_epochs()
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def _read_max_epochs(self) -> None:
+        if self.phases is not None:
+            stores, names = self.schedule_stores.prefixes, self.schedule_stores.spelt()
+        else:
+            stores = self.prefixes
+            names = tuple(self.spelling(p) for p in stores)
+        max_epochs = self.max_epochs
+        if isinstance(max_epochs, Mapping):  # stores named as the blends name them, resolved alike
+            max_epochs = {self.resolve_path(str(store)): epochs for store, epochs in max_epochs.items()}
+        object.__setattr__(self, "max_epochs", read_max_epochs(max_epochs, stores=stores, names=names))
+
+    def _check_batch_sizes(self) -> None:
+        """global_batch_size, rampup_batch_size, step_batch_size_schedule checked (a step schedule
+        without global_batch_size gives it: its last size)."""
+        if self.global_batch_size is not None:
+            object.__setattr__(self, "global_batch_size",
+                               check_positive_int("global_batch_size", _integral(self.global_batch_size, "", "")))
+        rampup = self.rampup_batch_size
+        if isinstance(rampup, (list, tuple)):  # [256, 128, 5e6] as a file writes it
+            object.__setattr__(self, "rampup_batch_size", tuple(_integral(v, "", "") for v in rampup))
+        steps = self.batch_size_steps
+        if steps is not None and self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", steps[-1][1])
+
+    @property
+    def batch_size_steps(self) -> tuple[tuple[int, int], ...] | None:
+        """The run's global batch sizes as ``(threshold_samples, size)`` steps (one pair without a
+        ramp or step schedule); None without a global batch size."""
+        return batch_size_steps(global_batch_size=self.global_batch_size, rampup_batch_size=self.rampup_batch_size,
+                                step_batch_size_schedule=self.step_batch_size_schedule,
+                                seq_length=int(self.seq_length))
+
+    def _read_schedule(self) -> None:
+        """``phases`` read and planned: one phase becomes ``blend`` + ``train_samples`` (its end in
+        samples), so every key is the one today's spelling of that config has; several stay."""
+        for key in ("blend", "blend_per_split", "train_samples"):
+            if getattr(self, key) is not None:
+                raise ConfigError(_WITH_PHASES[key])
+        phases = read_phases(self.phases, _as_blend)
+        for k, phase in enumerate(phases, 1):
+            if phase.seq_length is not None and phase.seq_length != self.seq_length:
+                raise ConfigError(
+                    f"phase {k}: seq_length: {phase.seq_length} differs from the build's seq_length "
+                    f"{self.seq_length}; a phase of another sequence length is not built yet (it lands with "
+                    f"FORMAT.md 'Length runs'): drop seq_length from phase {k} or make it {self.seq_length}")
+        steps = self.batch_size_steps
+        if steps is None:
+            raise ConfigError("phases without global_batch_size; a phase ends at an optimizer step's end and "
+                              "`until: {steps: N}` counts steps: give global_batch_size (samples per step)")
+        if len(phases) == 1:  # today's config: the keys must not see the schedule
+            plan = plan_phases(phases, union_stores(phases), seq_length=int(self.seq_length), steps=steps)
+            object.__setattr__(self, "blend", phases[0].blend)
+            object.__setattr__(self, "train_samples", plan.num_samples)
+            object.__setattr__(self, "phases", None)
+            return
+        phases = tuple(PhaseSpec(blend=self._paths_resolved(p.blend), until=p.until, ramp=p.ramp,
+                                 seq_length=p.seq_length) for p in phases)
+        union = union_stores(phases)
+        plan = plan_phases(phases, union, seq_length=int(self.seq_length), steps=steps)
+        # every split reads the stores the schedule takes samples from, weighted by those samples
+        # (valid and test: each store's share of the whole schedule); the train split's blend
+        # item is the schedule's from the next release
+        served = [d for d, total in enumerate(plan.totals.tolist()) if total > 0]
+        blend = BlendSpec(prefixes=tuple(union.prefixes[d] for d in served),
+                          weights=tuple(float(plan.totals[d]) for d in served),
+                          written_prefixes=tuple(union.spelt()[d] for d in served))
+        object.__setattr__(self, "phases", phases)
+        object.__setattr__(self, "_schedule", (union, plan, blend))
+
+    @property
+    def schedule_stores(self) -> BlendSpec:
+        """The union of the phases' stores in first-seen order (weightless); a config without
+        phases has none (ConfigError)."""
+        return self._schedule_parts()[0]
+
+    def schedule_plan(self) -> SchedulePlan | None:
+        """The schedule of a config with several phases placed on the run's samples (the kernel's
+        :class:`~tokenloom.index.schedule.SchedulePlan`, over :attr:`schedule_stores`); None for a
+        config without phases (one phase is ``blend`` and ``train_samples``)."""
+        return None if self.phases is None else self._schedule_parts()[1]
+
+    def _schedule_parts(self) -> tuple[BlendSpec, SchedulePlan, BlendSpec]:
+        if self.phases is None:
+            raise ConfigError("this config has no phases (a one-phase schedule is its blend and train_samples)")
+        return self.__dict__["_schedule"]
+
+    @property
+    def num_train_steps(self) -> int | None:
+        """Megatron-LM's ``train_iters`` of this run (from its train samples and batch sizes, as
+        ``update_train_iters`` counts them); None without a global batch size or train length."""
+        steps, samples = self.batch_size_steps, self.samples_per_split[0]
+        return None if steps is None or samples is None else train_steps(steps, samples)
+
+    def describe_schedule(self, samples_per_epoch: Mapping[str, int] | None = None) -> str:
+        """The dry run's report of a config with several phases (see
+        :func:`tokenloom.builder.schedule.format_schedule`); ``samples_per_epoch`` by store adds
+        each store's epochs."""
+        union, plan, _ = self._schedule_parts()
+        return format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
+
+    def check_buildable(self, *, dry_run: str = "a dry run") -> None:
+        """ConfigError where this release cannot build the config (a schedule of several phases),
+        to raise before anything is written; ``dry_run`` names what shows its plan instead."""
+        if self.phases is not None:
+            raise not_built_yet(len(self.phases), dry_run=dry_run)
+
+    def check_max_epochs(self, samples_per_epoch: Mapping[str, int]) -> None:
+        """ConfigError naming the store and the phase where the train split needs more samples
+        of a store than ``max_epochs`` epochs of its train documents hold (``samples_per_epoch``:
+        by store, those the caller knows). The train split's need is the schedule's, or a
+        weighted blend's largest-remainder counts over train_samples (one phase)."""
+        if self.max_epochs is None:
+            return
+        if self.phases is not None:
+            union, plan, _ = self._schedule_parts()
+        else:
+            blend, size = self.blend_for_split(0), self.train_samples
+            if blend is None or blend.weights is None or not size:
+                return  # an unweighted blend serves each store's epoch once
+            union = BlendSpec(prefixes=blend.prefixes, written_prefixes=blend.written_prefixes)
+            phase = PhaseSpec(blend=blend, until={"samples": size})
+            plan = plan_phases((phase,), union, seq_length=int(self.seq_length), steps=((0, 1),))
+        room = epoch_room(self.max_epochs, union.prefixes, samples_per_epoch)
+        plan.check_room(room, names=union.spelt())
 
     def _budgeted(self, blend: BlendSpec, budget: tuple[str, tuple[float, ...]], what: str) -> BlendSpec:
         """``blend`` weighted by the sample counts its token budgets ask for (setting or checking
@@ -333,11 +510,16 @@ class BuildConfig:
     # -- views ----------------------------------------------------------------------------------
     @property
     def samples_per_split(self) -> tuple[int | None, int | None, int | None]:
-        """(train, valid, test) sample counts, Megatron's ``sizes``."""
-        return (self.train_samples, self.valid_samples, self.test_samples)
+        """(train, valid, test) sample counts, Megatron's ``sizes`` (with several phases the
+        train split's is the schedule's end)."""
+        train = self._schedule_parts()[1].num_samples if self.phases is not None else self.train_samples
+        return (train, self.valid_samples, self.test_samples)
 
     def blend_for_split(self, split_index: int) -> BlendSpec | None:
-        """The blend split ``split_index`` (0 train, 1 valid, 2 test) draws from."""
+        """The blend split ``split_index`` (0 train, 1 valid, 2 test) draws from (with several
+        phases: the stores the schedule serves, weighted by its samples of each)."""
+        if self.phases is not None:
+            return self._schedule_parts()[2]
         if self.blend is not None:
             return self.blend
         return self.blend_per_split[split_index]
@@ -395,6 +577,9 @@ class BuildConfig:
             else {name: _blend_dict(b) for name, b in zip(SPLIT_NAMES, self.blend_per_split)}
         )
         out["megatron_tokenizer"] = None if self.megatron_tokenizer is None else dict(self.megatron_tokenizer)
+        out["phases"] = None if self.phases is None else [phase.to_dict() for phase in self.phases]
+        out["rampup_batch_size"] = None if self.rampup_batch_size is None else list(self.rampup_batch_size)
+        out["max_epochs"] = dict(self.max_epochs) if isinstance(self.max_epochs, Mapping) else self.max_epochs
         return out
 
     def replace(self, **changes: Any) -> BuildConfig:
@@ -407,12 +592,12 @@ class BuildConfig:
 ARRAY_FIELDS = (
     "seq_length", "blend", "blend_per_split", "split", "train_samples", "valid_samples",
     "test_samples", "seed", "add_extra_token", "drop_last_partial_validation_sequence",
-    "mid_level_dataset_surplus", "mode", "packing", "best_fit_window",
+    "mid_level_dataset_surplus", "mode", "packing", "best_fit_window", "phases",
 )
 
 #: Array fields added after the first builds: left out of :func:`array_config` at their default, so
 #: that a build key (which a checkpoint's serving state names) stays what it was before them.
-_LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None}
+_LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None, "phases": None}
 
 
 def array_config(config: BuildConfig) -> dict[str, Any]:
@@ -424,7 +609,20 @@ def array_config(config: BuildConfig) -> dict[str, Any]:
     per_split = config.blend_per_split
     out["blend_per_split"] = (None if per_split is None else
                               {name: _blend_dict(b, spelt=True) for name, b in zip(SPLIT_NAMES, per_split)})
+    if config.phases is not None:  # the phases as spelt, and the batch sizes that place their ends
+        out["phases"] = {"phases": [phase.to_dict(spelt=True) for phase in config.phases],
+                         "batch_size_steps": [list(step) for step in config.batch_size_steps]}
     return out
+
+
+#: What a config giving ``phases`` with one of these keys is told.
+_WITH_PHASES = {
+    "blend": "phases and blend both given; phases replaces blend (each phase names its own blend): drop blend",
+    "blend_per_split": "phases and blend_per_split both given; a schedule cuts every split from the union of its "
+                       "phases' stores by `split`: drop blend_per_split",
+    "train_samples": "phases and train_samples both given; the last phase's until is the run's length: drop "
+                     "train_samples (or end the last phase with until: {samples: N})",
+}
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -543,7 +741,7 @@ _ALIASES = {
     "data_cache_path": "cache_dir",
     "megatron_cache": "megatron_cache_dir",
 }
-_SAMPLE_SOURCES = ("samples", "train_iters", "global_batch_size", "eval_interval", "eval_iters", "geometry")
+_SAMPLE_SOURCES = ("samples", "train_iters", "eval_interval", "eval_iters", "geometry")
 
 
 def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build config",
@@ -553,7 +751,9 @@ def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build conf
     Sample counts come from ``train_samples``/``valid_samples``/``test_samples``, from
     ``samples: [train, valid, test]``, from ``train_iters`` x ``global_batch_size`` (with
     ``eval_interval`` and ``eval_iters`` for the other splits, Megatron-LM's formulas), or from a
-    ``geometry`` file written by ``tokenloom plan`` (relative to ``base_dir``).
+    ``geometry`` file written by ``tokenloom plan`` (relative to ``base_dir``). With ``phases`` the
+    last phase's ``until`` is the train length, and ``eval_interval``/``eval_iters`` count the
+    schedule's optimizer steps.
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}")
@@ -570,12 +770,13 @@ def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build conf
             extra[key] = value
         else:
             raise ConfigError(f"{source}: unknown key {key!r}{_did_you_mean(key, names)}")
-    for name in ("train_samples", "valid_samples", "test_samples", "seq_length", "seed"):
+    for name in ("train_samples", "valid_samples", "test_samples", "seq_length", "seed", "global_batch_size"):
         if name in values:
             values[name] = _integral(values[name], name, source)
     if base_dir is not None:  # a file's relative paths name files beside it
         written = values.get("base_dir")
         values["base_dir"] = os.path.abspath(os.path.join(base_dir, str(written)) if written else base_dir)
+    evals = _schedule_sample_sources(extra, source) if "phases" in values else {}
     counts = _samples_from_extra(extra, values, source, base_dir)
     for name, count in zip(("train_samples", "valid_samples", "test_samples"), counts):
         if count is not None:
@@ -586,9 +787,36 @@ def build_config_from_dict(data: Mapping[str, Any], *, source: str = "build conf
     if missing:
         raise ConfigError(f"{source}: missing {missing}")
     try:
-        return BuildConfig(**values)
+        if not evals:
+            return BuildConfig(**values)
+        # the schedule's steps decide valid and test: plan it first, with the counts to come
+        config = BuildConfig(**{"valid_samples": 0, "test_samples": 0, **values})
+        _, valid, test = _iteration_counts(config.num_train_steps, config.global_batch_size, evals, source)
+        for name, count in (("valid_samples", valid), ("test_samples", test)):
+            if name in values and values[name] != count:
+                raise ConfigError(f"{name}={values[name]} disagrees with {count} from the schedule's "
+                                  f"{config.num_train_steps} steps (eval_interval, eval_iters)")
+        return config.replace(valid_samples=valid, test_samples=test)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _schedule_sample_sources(extra: dict, source: str) -> dict:
+    """With ``phases``: the sources of sample counts a schedule takes (``samples: [null, valid,
+    test]``, or ``eval_interval``/``eval_iters``, taken out of ``extra`` and returned: they need the
+    schedule's steps); the train length comes from the last phase only."""
+    for key in ("train_iters", "geometry"):
+        if key in extra:
+            raise ConfigError(f"{source}: phases and {key} both given; the last phase's until is the run's length: "
+                              f"drop {key} (end the last phase with until: {{steps: N}} for a length in steps)")
+    samples = extra.get("samples")
+    if isinstance(samples, (list, tuple)) and len(samples) == 3 and samples[0] is not None:
+        raise ConfigError(f"{source}: phases and samples[0]={samples[0]!r} (train) both given; the last phase's "
+                          "until is the run's length: write samples: [null, VALID, TEST]")
+    evals = {key: extra.pop(key) for key in ("eval_interval", "eval_iters") if key in extra}
+    if evals and extra:
+        raise ConfigError(f"{source}: {sorted(evals)} given with {sorted(extra)}; give one source of counts")
+    return evals
 
 
 def _did_you_mean(key: Any, names: set[str]) -> str:
@@ -643,20 +871,26 @@ def _samples_from_extra(extra: dict, values: dict, source: str, base_dir: str | 
             raise ConfigError(
                 f"{source}: seq_length={values['seq_length']} but {path} has {geometry.seq_length}"
             )
+        if values.get("global_batch_size") not in (None, geometry.global_batch_size):
+            raise ConfigError(f"{source}: global_batch_size={values['global_batch_size']} but {path} has "
+                              f"{geometry.global_batch_size}")
         values.setdefault("seq_length", geometry.seq_length)
         return geometry.samples_per_split
-    if "train_iters" not in extra or "global_batch_size" not in extra:
+    if "train_iters" not in extra or values.get("global_batch_size") is None:
         raise ConfigError(
             f"{source}: {sorted(extra)} without both train_iters and global_batch_size; Megatron "
             "needs both to count samples"
         )
-    iters = _integral(extra["train_iters"], "train_iters", source)
-    batch = _integral(extra["global_batch_size"], "global_batch_size", source)
-    interval = _integral(extra.get("eval_interval", 1000), "eval_interval", source)
-    eval_iters = _integral(extra.get("eval_iters", 100), "eval_iters", source)
-    for name, value in (("train_iters", iters), ("global_batch_size", batch), ("eval_interval", interval)):
-        check_positive_int(name, value)
-    check_non_negative_int("eval_iters", eval_iters)
+    iters = check_positive_int("train_iters", _integral(extra["train_iters"], "train_iters", source))
+    return _iteration_counts(iters, values["global_batch_size"], extra, source)
+
+
+def _iteration_counts(iters: int, batch: int, extra: Mapping[str, Any], source: str) -> tuple[int, int, int]:
+    """(train, valid, test) samples of ``iters`` steps of ``batch`` samples, with ``extra``'s
+    ``eval_interval`` and ``eval_iters`` (Megatron-LM's defaults 1000 and 100)."""
+    batch = check_positive_int("global_batch_size", _integral(batch, "global_batch_size", source))
+    interval = check_positive_int("eval_interval", _integral(extra.get("eval_interval", 1000), "eval_interval", source))
+    eval_iters = check_non_negative_int("eval_iters", _integral(extra.get("eval_iters", 100), "eval_iters", source))
     # Megatron-LM's training loop: train, then eval_iters batches every eval_interval steps and
     # once at the end, then eval_iters batches of test.
     return (iters * batch, (iters // interval + 1) * eval_iters * batch, eval_iters * batch)

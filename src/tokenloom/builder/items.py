@@ -147,6 +147,12 @@ class BuildPlan:
     def cache_bytes(self) -> int:
         return sum(item.output_bytes for item in self.items)
 
+    def samples_per_epoch(self, split: str = "train") -> dict[str, int]:
+        """Samples one epoch of each store's documents of ``split`` holds, by store, where the plan
+        knows it (concat packing: each dataset item's epoch plan)."""
+        return {item.prefix: item.epoch_plan.num_samples_per_epoch for item in self.items
+                if item.kind == "gpt" and item.split == split and item.epoch_plan is not None}
+
     def describe(self, *, done: frozenset[str] = frozenset(), cache_dir: str | None = None) -> str:
         """The dry-run report (:func:`format_plan`): items per rank, estimated seconds, memory and
         cache size, against the space free in ``cache_dir``'s filesystem when given; ``done`` holds
@@ -166,7 +172,7 @@ def _split_bounds(split: str, num_sequences: int) -> tuple[tuple[int, int] | Non
 
 def split_ranges(config: BuildConfig, num_sequences: int, prefix: str) -> list[tuple[int, int] | None]:
     """The sequence range of ``prefix`` each split uses (None: the split does not read it)."""
-    if config.blend is not None:
+    if config.blend_per_split is None:  # one set of stores (blend or phases), cut by split
         return list(_split_bounds(config.split, int(num_sequences)))
     out: list[tuple[int, int] | None] = []
     for index in range(len(SPLIT_NAMES)):
@@ -308,7 +314,7 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
     megatron-core's buffers, tokenloom's stateless counts, the split's size for a store read
     directly, or None (every sample of an epoch: unweighted blends)."""
     split = SPLIT_NAMES[split_index]
-    if len(blend.prefixes) == 1 and (blend.weights is None or config.blend is None):
+    if len(blend.prefixes) == 1 and (blend.weights is None or config.blend_per_split is not None):
         return [size]  # one store read directly
     if blend.weights is None:
         return [None] * len(blend.prefixes)
@@ -326,6 +332,29 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
 
 GptItems = dict[tuple[str, int, int, int, int | None], WorkItem]
 """``(prefix, split_index, begin, end, num_samples) -> WorkItem``: dataset items already made."""
+
+
+def train_samples_per_epoch(config: BuildConfig, infos: Mapping[str, StoreInfo],
+                            pack_samples: PackSamples | None = None) -> dict[str, int]:
+    """Samples one epoch of each train store's train documents holds, by store, from the
+    fingerprints alone: megatron-core's ``(tokens - add_extra_token) // seq_length`` (concat, in
+    either mode), or the samples of its best-fit chunks where ``pack_samples`` has them all."""
+    blend = config.blend_for_split(0)
+    out: dict[str, int] = {}
+    for prefix in () if blend is None else blend.prefixes:
+        info = infos.get(prefix)
+        bounds = None if info is None else split_ranges(config, info.num_sequences, prefix)[0]
+        if bounds is None:
+            continue
+        if config.packing == "best_fit":
+            from tokenloom.builder import best_fit
+
+            keys = [item.key for item in best_fit.pack_items(config, info, *bounds, WorkItem)]
+            if pack_samples is not None and all(key in pack_samples for key in keys):
+                out[prefix] = sum(int(pack_samples[key]) for key in keys)
+        else:
+            out[prefix] = max(0, (info.tokens_in(*bounds) - int(config.add_extra_token)) // config.seq_length)
+    return out
 
 
 def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
@@ -391,7 +420,7 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
         for item in datasets:  # a best-fit dataset's chunks come before it
             for pack in item.packs:
                 items.setdefault(pack.key, pack)
-        if len(datasets) == 1 and (blend.weights is None or config.blend is None):
+        if len(datasets) == 1 and (blend.weights is None or config.blend_per_split is not None):
             item = datasets[0]
             items.setdefault(item.key, item)
             splits.append(SplitPlan(name=split, prefixes=blend.prefixes, dataset_keys=(item.key,),
@@ -589,5 +618,5 @@ def format_plan(plan: BuildPlan, *, done: frozenset[str] = frozenset(), cache_di
 __all__ = [
     "BuildPlan", "PackSamples", "SplitPlan", "WorkItem", "all_pack_items", "assign_lpt", "assign_work",
     "dataset_items", "divide_blends", "format_plan", "is_divided", "plan_build", "ranges_for",
-    "resolve_items", "split_ranges",
+    "resolve_items", "split_ranges", "train_samples_per_epoch",
 ]

@@ -64,11 +64,20 @@ def run_build(args) -> int:
     if args.no_shared_fs:
         overrides["shared_fs"] = False
     config = load_build_config(args.config, **overrides)
+    if not args.dry_run:
+        try:
+            config.check_buildable(dry_run="--dry-run")
+        except tokenloom.ConfigError as exc:
+            raise tokenloom.ConfigError(f"{args.config}: {exc}") from None
     bar = {}
 
     def on_plan(plan, cached) -> None:
         if args.dry_run:
             print(plan.describe(done=cached, cache_dir=config.cache_dir))
+            if config.phases is not None:
+                print(config.describe_schedule(plan.samples_per_epoch("train")))
+                print("  (a schedule of several phases builds from the next release: its train split is planned "
+                      "above as one blend of each store's samples over the whole schedule)")
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
                   f"{len(plan.items) - len(cached)} to build on {plan.world_size} rank(s), "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from tokenloom.errors import ConfigError
 from tokenloom.validate import is_integer
 
-__all__ = ["StepRuns", "check_steps", "rampup_steps"]
+__all__ = ["StepRuns", "check_steps", "parse_step_schedule", "rampup_steps"]
 
 
 def _positive(name: str, value) -> int:
@@ -53,6 +54,31 @@ def check_steps(steps) -> tuple[tuple[int, int], ...]:
     for _, size in pairs:
         _positive("global batch size", size)
     return pairs
+
+
+def parse_step_schedule(text: str, *, seq_length: int | None = None) -> tuple[tuple[int, int], ...]:
+    """Megatron's ``--step-batch-size-schedule`` text, ``"THRESHOLD:BS THRESHOLD:BS ..."`` (K/M/B/T
+    suffixes), as checked ``steps``: thresholds in tokens when ``seq_length`` is given (divided by
+    it, rounding down, as megatron-core converts them), else in samples."""
+    if not isinstance(text, str):
+        raise ConfigError(f"batch size schedule {text!r}; expected Megatron's text such as '0:768 250B:1536'")
+    entries = []
+    for entry in text.replace(",", " ").split():
+        if ":" not in entry:
+            raise ConfigError(f"schedule entry {entry!r}; expected THRESHOLD:BATCH_SIZE, e.g. '250B:1536'")
+        threshold, size = (_parse_count(part, entry) for part in entry.split(":", 1))
+        if seq_length is not None:
+            threshold //= seq_length
+        entries.append((threshold, size))
+    return check_steps(sorted(entries))
+
+
+def _parse_count(text: str, entry: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBT]?)\s*", text.upper())
+    if match is None:
+        raise ConfigError(f"schedule entry {entry!r}: {text!r} is not a number with an optional K/M/B/T suffix")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}[match.group(2)]
+    return int(float(match.group(1)) * scale)
 
 
 def rampup_steps(*, start: int, increment: int, ramp_samples: int,

@@ -12,11 +12,10 @@ A schedule changes ``G`` with the samples consumed (Megatron's ``--step-batch-si
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.batch_sizes import rampup_steps
+from tokenloom.index.batch_sizes import parse_step_schedule, rampup_steps
 from tokenloom.validate import is_integer
 
 
@@ -47,15 +46,7 @@ class BatchSizeSchedule:
     def parse(cls, text: str, *, seq_length: int | None = None) -> BatchSizeSchedule:
         """Megatron's "THRESHOLD:BS THRESHOLD:BS ..." (K/M/B/T suffixes); thresholds in tokens when
         ``seq_length`` is given (divided by it, rounding down), else in samples."""
-        entries = []
-        for entry in text.replace(",", " ").split():
-            if ":" not in entry:
-                raise ConfigError(f"schedule entry {entry!r}; expected THRESHOLD:BATCH_SIZE, e.g. '250B:1536'")
-            threshold, size = (_parse_count(part, entry) for part in entry.split(":", 1))
-            if seq_length is not None:
-                threshold //= seq_length
-            entries.append((threshold, size))
-        return cls(steps=tuple(sorted(entries)))
+        return cls(steps=parse_step_schedule(text, seq_length=seq_length))
 
     @classmethod
     def rampup(cls, *, start: int, increment: int, ramp_samples: int, global_batch_size: int) -> BatchSizeSchedule:
@@ -73,14 +64,6 @@ class BatchSizeSchedule:
                 break
             size = value
         return size
-
-
-def _parse_count(text: str, entry: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBT]?)\s*", text.upper())
-    if match is None:
-        raise ConfigError(f"schedule entry {entry!r}: {text!r} is not a number with an optional K/M/B/T suffix")
-    scale = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}[match.group(2)]
-    return int(float(match.group(1)) * scale)
 
 
 @dataclass(frozen=True, kw_only=True)

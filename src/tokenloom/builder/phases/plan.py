@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tokenloom.builder.collective import Failure, agree, failure_from
 from tokenloom.builder.context import BuildContext
-from tokenloom.builder.items import BuildPlan, assign_work, resolve_items
+from tokenloom.builder.items import BuildPlan, assign_work, resolve_items, train_samples_per_epoch
 from tokenloom.builder.starts import StartRecord
 from tokenloom.io.space import check_space
 
@@ -31,13 +31,16 @@ def plan_from_record(ctx: BuildContext, record: StartRecord) -> Planned:
 
 def make_plan(ctx: BuildContext) -> Planned:
     """The plan of the stores' infos and the chunks' counts, after every writer looked in its
-    cache and checked its disk (not on a dry run)."""
+    cache and checked its disk (not on a dry run). A train split that needs more of a store than
+    its ``max_epochs`` allows raises the ConfigError on every rank alike, with no collective: each
+    computes it from the same gathered infos."""
+    pack_samples = {key: stats["num_samples"] for key, stats in ctx.pack_stats.items()}
+    ctx.config.check_max_epochs(train_samples_per_epoch(ctx.config, ctx.infos, pack_samples))
     failure = None
     items = splits = None
     mine: set[str] | None = None
     try:  # every item; which rank builds what waits for what the caches hold
-        items, splits = resolve_items(ctx.config, ctx.infos, ctx.made,
-                                      {key: stats["num_samples"] for key, stats in ctx.pack_stats.items()})
+        items, splits = resolve_items(ctx.config, ctx.infos, ctx.made, pack_samples)
     except Exception as exc:
         failure = failure_from(exc, rank=ctx.rank, phase="plan", item=None)
     nodes, writers = ctx.nodes()
