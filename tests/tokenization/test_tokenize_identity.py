@@ -297,3 +297,17 @@ def test_ranks_scan_a_share_each_and_their_store_has_the_reference_ids(unicode17
     # the union of the shares is the one-process scan
     assert joined["ranges"] == dv.divergence_for(open(unicode17_tokenizer, "rb").read()).to_json(
         dv.ScanTarget.of(open(unicode17_tokenizer, "rb").read()))["ranges"]
+
+
+def test_a_scan_that_cannot_run_is_a_config_error_naming_the_tokenizer_and_the_way_out(unicode17_tokenizer, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "empty"))
+
+    def refuses(text, points):
+        raise RuntimeError("Unsupported normalizer")
+
+    monkeypatch.setattr(dv, "scan_code_points", refuses)
+    tokenizer = load_tokenizer(unicode17_tokenizer)
+    with pytest.raises(ConfigError, match=r"tokenizer.json: could not compare gigatoken with the tokenizers library on "
+                                          r"every code point \(RuntimeError: Unsupported normalizer\).*engine='hf'"):
+        tokenizer.route_divergent()

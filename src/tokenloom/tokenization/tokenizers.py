@@ -226,7 +226,7 @@ class HuggingFaceTokenizer:
         with _ROUTING_LOCK:
             if self.divergence is not None:
                 return
-            found = divergence if divergence is not None else divergence_for(self._raw)
+            found = divergence if divergence is not None else self._scanned(divergence_for, self._raw)
             why = found.too_large()
             if why is not None:
                 if self._engine_requested == "gigatoken":
@@ -246,7 +246,18 @@ class HuggingFaceTokenizer:
         cached = load_cached(target)
         if cached is not None:
             return {"cached": cached.code_points.tolist()}
-        return {"share": scan_code_points(target.text, scan_part(rank, world)).tolist()}
+        return {"share": self._scanned(scan_code_points, target.text, scan_part(rank, world)).tolist()}
+
+    def _scanned(self, scan, *args):
+        """``scan(*args)``, its failure (an engine that refuses the probe) said in the user's words."""
+        try:
+            return scan(*args)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{self.path}: could not compare gigatoken with the tokenizers library on every "
+                              f"code point ({type(exc).__name__}: {exc}); encode it with the tokenizers library "
+                              "(engine='hf')") from exc
 
     def join_divergence_shares(self, shares: Sequence[dict | None], *, store: bool) -> None:
         """Take the divergence from every rank's :meth:`divergence_share`: a cached one where a
