@@ -374,13 +374,23 @@ def test_dry_run_refuses_a_schedule_past_max_epochs(schedule_file, tmp_path):
         _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--dry-run"])
 
 
-def test_a_build_of_several_phases_is_refused_before_writing_anything(schedule_file, tmp_path):
+def test_a_stateless_build_of_several_phases_runs_from_the_command_line(schedule_file, tmp_path, capsys):
+    assert _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--mode", "stateless",
+                 "--dry-run"]) == 0
+    assert "builds in mode: stateless" not in capsys.readouterr().out  # no note: it builds
+    assert _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--mode", "stateless",
+                 "--no-progress"]) == 0
+    assert (tmp_path / "c").is_dir()
+
+
+def test_an_exact_build_of_several_phases_is_refused_before_writing_anything(schedule_file, tmp_path):
     before = _listing(tmp_path)
     with pytest.raises(ConfigError, match=rf"{schedule_file}: phases: a schedule of several phases \(3 here\) builds "
-                                          r"from the next release; --dry-run shows its plan; a one-phase schedule "
-                                          r"builds now"):
+                                          r"in mode: stateless with packing: concat in this release, not with mode: "
+                                          r"exact \(it follows\); --dry-run shows its plan; a one-phase schedule "
+                                          r"builds in every mode"):
         _run(["build", str(schedule_file), "--cache", str(tmp_path / "c")])
-    with pytest.raises(ConfigError, match=r"builds from the next release; a dry run shows its plan"):
+    with pytest.raises(ConfigError, match=r"not with mode: exact \(it follows\); a dry run shows its plan"):
         tokenloom.build(str(schedule_file))
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
     assert not (tmp_path / "tokenloom_cache").exists()

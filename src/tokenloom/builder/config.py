@@ -68,7 +68,7 @@ class BuildConfig:
     ``{blend, until: {tokens|steps|samples: N}, ramp: linear, seq_length}`` (mappings are read
     into :class:`~tokenloom.builder.schedule.PhaseSpec`). One phase is rewritten into ``blend`` and
     ``train_samples`` (today's build, key for key); several are planned (:meth:`schedule_plan`)
-    and build from the next release."""
+    and build in the stateless mode (:meth:`check_buildable`)."""
 
     split: str | None = None
     """Megatron's split string such as ``"969,30,1"``; required with ``blend`` or ``phases``,
@@ -363,7 +363,7 @@ class BuildConfig:
         plan = plan_phases(phases, union, seq_length=int(self.seq_length), steps=steps)
         # every split reads the stores the schedule takes samples from, weighted by those samples
         # (valid and test: each store's share of the whole schedule); the train split's blend
-        # item is the schedule's from the next release
+        # item is the schedule's (tokenloom.builder.items), each store sized by its total
         served = [d for d, total in enumerate(plan.totals.tolist()) if total > 0]
         blend = BlendSpec(prefixes=tuple(union.prefixes[d] for d in served),
                           weights=tuple(float(plan.totals[d]) for d in served),
@@ -403,10 +403,13 @@ class BuildConfig:
         return format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
 
     def check_buildable(self, *, dry_run: str = "a dry run") -> None:
-        """ConfigError where this release cannot build the config (a schedule of several phases),
-        to raise before anything is written; ``dry_run`` names what shows its plan instead."""
+        """ConfigError where this release cannot build the config (a schedule of several phases
+        in exact mode or with best-fit packing), to raise before anything is written; ``dry_run``
+        names what shows its plan instead."""
         if self.phases is not None:
-            raise not_built_yet(len(self.phases), dry_run=dry_run)
+            error = not_built_yet(len(self.phases), mode=self.mode, packing=self.packing, dry_run=dry_run)
+            if error is not None:
+                raise error
 
     def check_max_epochs(self, samples_per_epoch: Mapping[str, int]) -> None:
         """ConfigError naming the store and the phase where the train split needs more samples

@@ -6,6 +6,8 @@ blend sizes and weights):
 
 * a ``gpt`` item: one (store, split) packed-sample index;
 * a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store);
+  the train split of a stateless schedule of several phases has the schedule's (each dataset then
+  sized by what the whole schedule takes of it, ``SchedulePlan.totals``);
 * with ``packing: best_fit``, ``pack`` items: the chunks of a split's documents packed best fit
   (:mod:`tokenloom.builder.best_fit`), which its ``gpt`` item serves from. They are built before
   the plan, whose sample counts they decide.
@@ -40,6 +42,7 @@ from tokenloom.builder.cost_model import (
 )
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.packs import CACHE_FORMAT_VERSION
+from tokenloom.builder.schedule import schedule_blend_params
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
@@ -305,6 +308,32 @@ def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem],
                     num_samples=total, output_bytes=output_bytes, cost_s=cost, megatron=megatron)
 
 
+def _is_schedule(config: BuildConfig, split_index: int) -> bool:
+    """Whether split ``split_index`` is served by the schedule's own blend: the train split of a
+    config of several phases in stateless mode (exact mode's lands later; its dry run plans the
+    train split as one blend of each store's samples over the whole schedule)."""
+    return config.phases is not None and split_index == 0 and config.mode == "stateless"
+
+
+def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> WorkItem:
+    """The train split's blend of a stateless schedule build: the kernel's closed-form plan,
+    keyed by everything that places and counts its samples; it stores the counts per phase."""
+    plan = config.schedule_plan()
+    column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
+    served = [column[prefix] for prefix in prefixes]
+    params: dict[str, Any] = {
+        "format": CACHE_FORMAT_VERSION, "kind": "blend", "mode": config.mode,
+        "weights": [float(plan.totals[d]) for d in served], "size": plan.num_samples, "seed": config.seed,
+        "datasets": [d.key for d in datasets],
+        "dataset_lengths": [d.num_samples for d in datasets],
+        "schedule": schedule_blend_params(plan, served),
+    }
+    return WorkItem(kind="blend", key=hash_key(params), split="train",
+                    label=f"schedule train of {plan.num_phases} phases over {len(datasets)} datasets",
+                    params=params, num_samples=plan.num_samples, output_bytes=4096 + 8 * plan.counts.size,
+                    cost_s=stateless_blend_cost(len(datasets)))
+
+
 def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
 
@@ -314,6 +343,10 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
     megatron-core's buffers, tokenloom's stateless counts, the split's size for a store read
     directly, or None (every sample of an epoch: unweighted blends)."""
     split = SPLIT_NAMES[split_index]
+    if _is_schedule(config, split_index):  # each store holds what the whole schedule takes of it
+        totals = config.schedule_plan().totals
+        column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
+        return [int(totals[column[prefix]]) for prefix in blend.prefixes]
     if len(blend.prefixes) == 1 and (blend.weights is None or config.blend_per_split is not None):
         return [size]  # one store read directly
     if blend.weights is None:
@@ -426,27 +459,30 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
             splits.append(SplitPlan(name=split, prefixes=blend.prefixes, dataset_keys=(item.key,),
                                     blend_key=None, num_samples=item.num_samples))
             continue
-        if config.mode == "stateless":
-            blend_weights, blend_size = _stateless_sizes(blend, datasets, size)
-        elif blend.weights is not None:
-            megatron = blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus)
-            blend_weights = list(megatron.blend_weights)
-            blend_size: int | None = megatron.blended_size
+        if _is_schedule(config, split_index):
+            blend_item = _schedule_item(config, blend.prefixes, datasets)
         else:
-            blend_weights = [d.num_samples for d in datasets]
-            if size is not None:
-                blend_size = min(size, sum(blend_weights))
-                blend_weights = megatron_normalize(blend_weights).tolist()
-            else:
-                blend_size = None
+            blend_item = _blend_item(config, split_index, datasets, *_blend_sizes(config, blend, datasets, size))
         for item in datasets:
             items.setdefault(item.key, item)
-        blend_item = _blend_item(config, split_index, datasets, blend_weights, blend_size)
         items.setdefault(blend_item.key, blend_item)
         splits.append(SplitPlan(name=split, prefixes=blend.prefixes,
                                 dataset_keys=tuple(d.key for d in datasets),
                                 blend_key=blend_item.key, num_samples=blend_item.num_samples))
     return list(items.values()), splits
+
+
+def _blend_sizes(config: BuildConfig, blend, datasets: list[WorkItem], size: int | None) -> tuple[list, int | None]:
+    """The weights and size of a split's blend item: tokenloom's (stateless) or megatron-core's."""
+    if config.mode == "stateless":
+        return _stateless_sizes(blend, datasets, size)
+    if blend.weights is not None:
+        megatron = blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus)
+        return list(megatron.blend_weights), megatron.blended_size
+    blend_weights = [d.num_samples for d in datasets]
+    if size is None:
+        return blend_weights, None
+    return megatron_normalize(blend_weights).tolist(), min(size, sum(blend_weights))
 
 
 def _stateless_sizes(blend, datasets: list[WorkItem], size: int | None) -> tuple[list[float], int]:

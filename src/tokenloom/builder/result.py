@@ -5,7 +5,7 @@
 sample_ids)`` and ``read_samples`` their tokens, exactly as megatron-core's ``BlendedDataset``
 (exact mode) would serve them. The build makes one reader per dataset (megatron-core's arrays,
 the stateless index or the best-fit chunks) and one locator per split (megatron-core's blend arrays, the closed-form
-blend, or a single dataset read directly). Nothing is copied into memory: the arrays are
+blend or schedule, or a single dataset read directly). Nothing is copied into memory: the arrays are
 read-only memory maps of the cache files, so every rank of a job can open the same build cheaply,
 and a dataset's store and arrays are opened on its first read (a blend of 10,000 stores holds no
 store open until it serves from it).
@@ -19,12 +19,12 @@ from collections.abc import Mapping
 from tokenloom.builder.best_fit import open_index as open_best_fit_index
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import BuildPlan, SplitPlan, WorkItem
-from tokenloom.builder.stateless import open_stateless_gpt_index, stateless_blend
+from tokenloom.builder.stateless import open_stateless_gpt_index, schedule_plan, stateless_blend
 from tokenloom.errors import ConfigError
 from tokenloom.index.best_fit_index import BestFitIndex, BestFitPlan
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
-from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator
+from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, ScheduleLocator
 from tokenloom.source.protocol import Locator
 from tokenloom.source.readers import BestFitReader, DatasetReader, MegatronReader, StatelessReader, StoreOpener
 
@@ -135,6 +135,8 @@ class BuildResult:
         locator: Locator
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
+        elif self.mode == "stateless" and "schedule" in self._items[split.blend_key].params:
+            locator = ScheduleLocator(*schedule_plan(self._items[split.blend_key].params))
         elif self.mode == "stateless":
             locator = BlendLocator(stateless_blend(self._items[split.blend_key].params))
         else:

@@ -28,10 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.errors import ConfigError
+from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.batch_sizes import StepRuns, parse_step_schedule, rampup_steps
 from tokenloom.index.blend_spec import BlendSpec, megatron_normalize
-from tokenloom.index.schedule import RAMPS, MixtureSchedule, SchedulePlan, Until, parse_schedule, plan_schedule
+from tokenloom.index.schedule import (
+    RAMPS,
+    MixtureSchedule,
+    SchedulePhase,
+    SchedulePlan,
+    Until,
+    parse_schedule,
+    plan_schedule,
+)
 from tokenloom.validate import check_positive_int, is_number
 
 #: The keys a phase of a config's ``phases`` takes.
@@ -284,10 +292,44 @@ def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Seque
     return "\n".join(lines)
 
 
-def not_built_yet(num_phases: int, *, dry_run: str = "a dry run") -> ConfigError:
-    """The error a build of several phases raises in this release, before it writes anything."""
-    return ConfigError(f"phases: a schedule of several phases ({num_phases} here) builds from the next release; "
-                       f"{dry_run} shows its plan; a one-phase schedule builds now")
+def not_built_yet(num_phases: int, *, mode: str, packing: str, dry_run: str = "a dry run") -> ConfigError | None:
+    """The error a build of several phases raises in this release before it writes anything (None
+    where it builds: the stateless mode with concatenated samples)."""
+    if mode == "stateless" and packing == "concat":
+        return None
+    what = f"mode: {mode}" if mode != "stateless" else f"packing: {packing}"
+    return ConfigError(f"phases: a schedule of several phases ({num_phases} here) builds in mode: stateless with "
+                       f"packing: concat in this release, not with {what} (it follows); {dry_run} shows its "
+                       "plan; a one-phase schedule builds in every mode")
+
+
+def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str, Any]:
+    """What the train split's blend item of a stateless schedule build hashes and rebuilds its
+    plan from (:func:`schedule_plan_of`): each phase's weights over the union, its ramp and
+    sequence length, the boundaries, the batch-size steps, the exact counts ``(P, D)``, and
+    ``served``, the union's datasets the split reads (those with samples), in the split's order."""
+    phases = [{"weights": list(phase.weights), "ramp": phase.ramp, "seq_length": seq}
+              for phase, seq in zip(plan.schedule.phases, plan.seq_lengths)]
+    return {"phases": phases, "boundaries": list(plan.boundaries),
+            "batch_steps": [list(step) for step in plan.batch_steps],
+            "counts": plan.counts.tolist(), "served": [int(d) for d in served]}
+
+
+def schedule_plan_of(schedule: Mapping[str, Any]) -> SchedulePlan:
+    """The plan :func:`schedule_blend_params` recorded, planned again: each phase ends where the
+    first planning put it (``until: {samples: boundary}``, already a step's end), so the order and
+    the counts are the same; BuildError if they differ from those recorded."""
+    ends = schedule["boundaries"][1:]
+    phases = tuple(SchedulePhase(weights=tuple(p["weights"]), until={"samples": int(end)}, ramp=p["ramp"],
+                                 seq_length=p["seq_length"]) for p, end in zip(schedule["phases"], ends))
+    steps = tuple((int(t), int(size)) for t, size in schedule["batch_steps"])
+    plan = plan_schedule(MixtureSchedule(phases=phases), seq_length=int(phases[0].seq_length),
+                         global_batch_size=steps[-1][1], batch_size_steps=steps)
+    if list(plan.boundaries) != list(schedule["boundaries"]) or plan.counts.tolist() != schedule["counts"]:
+        raise BuildError(f"a schedule planned again ends its phases at {list(plan.boundaries)} with counts "
+                          f"{plan.counts.tolist()}, not the recorded {schedule['boundaries']} and "
+                          f"{schedule['counts']}; the cache entry was made by another version: build again")
+    return plan
 
 
 __all__ = [
@@ -301,6 +343,8 @@ __all__ = [
     "plan_phases",
     "read_max_epochs",
     "read_phases",
+    "schedule_blend_params",
+    "schedule_plan_of",
     "train_steps",
     "union_stores",
 ]

@@ -7,7 +7,10 @@ and the block size. Opening it rebuilds the :class:`StatelessGPTIndex` around me
 those two arrays and the store's lengths.
 
 A ``blend`` item is :class:`tokenloom.index.blend.Blend` (largest-remainder counts, closed-form
-order): it stores only its per-dataset counts; positions are located on demand.
+order): it stores only its per-dataset counts; positions are located on demand. The train split
+of a schedule of several phases has a schedule ``blend`` item instead (its params carry
+``schedule``): the kernel's :class:`~tokenloom.index.schedule.SchedulePlan`, planned again from
+the params on opening, storing its counts per phase ``(P, D)``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any
 import numpy as np
 
 from tokenloom.builder.exact import plan_from_dict, plan_to_dict
+from tokenloom.builder.schedule import schedule_plan_of
 from tokenloom.errors import BuildError
 from tokenloom.index.blend import Blend
 from tokenloom.index.kernels import resolve_backend
+from tokenloom.index.schedule import SchedulePlan
 from tokenloom.index.split import DocumentRange, document_ids
 from tokenloom.index.stateless import BACKENDS, StatelessGPTIndex, build_stateless_gpt_index
 from tokenloom.io import IndexedDataset
@@ -75,16 +80,26 @@ def stateless_blend(params: Mapping[str, Any]) -> Blend:
     return Blend(np.asarray(params["weights"], dtype=np.float64), int(params["size"]))
 
 
+def schedule_plan(params: Mapping[str, Any]) -> tuple[SchedulePlan, list[int]]:
+    """The plan of a schedule ``blend`` item and the union's datasets its split reads, in order."""
+    return schedule_plan_of(params["schedule"]), list(params["schedule"]["served"])
+
+
 def build_stateless_blend_arrays(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """A stateless blend stores its counts (for reports and checks); lookups are closed-form."""
-    blend = stateless_blend(params)
-    over = np.flatnonzero(blend.counts > np.asarray(params["dataset_lengths"], dtype=np.int64))
+    """A stateless blend stores its counts (for reports and checks; a schedule's per phase,
+    ``(P, D)`` over the union); lookups are closed-form."""
+    if "schedule" in params:
+        plan, served = schedule_plan(params)
+        counts, asked = plan.counts, plan.totals[served]
+    else:
+        counts = asked = stateless_blend(params).counts
+    over = np.flatnonzero(asked > np.asarray(params["dataset_lengths"], dtype=np.int64))
     if over.size:
         d = int(over[0])
-        raise BuildError(f"the blend asks {int(blend.counts[d])} samples of dataset {d}, whose index holds "
+        raise BuildError(f"the blend asks {int(asked[d])} samples of dataset {d}, whose index holds "
                          f"only {params['dataset_lengths'][d]}")
-    return {"counts": blend.counts}
+    return {"counts": counts}
 
 
 __all__ = ["build_stateless_blend_arrays", "build_stateless_gpt_arrays", "open_stateless_gpt_index",
-           "stateless_blend"]
+           "schedule_plan", "stateless_blend"]

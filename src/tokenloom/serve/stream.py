@@ -33,6 +33,7 @@ import numpy as np
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend import Blend, largest_remainder_counts
 from tokenloom.source import SampleSource
+from tokenloom.source.blended import ScheduleLocator
 
 _COUNT_CHUNK = 1 << 22
 
@@ -72,6 +73,11 @@ class SampleStream:
         self.underlying_samples = source.num_samples
         """Positions of the underlying stream (the source and its segments): fewer than the
         source's after a weight change when a dataset's index runs out."""
+        if self.segments and isinstance(getattr(source, "locator", None), ScheduleLocator):
+            raise ConfigError(
+                f"a weight change at position {self.segments[0].start} on a build with a mixture schedule "
+                "(phases); a weight change there is not served in this release (it will replace the current "
+                "phase's weights up to the phase's end): change the schedule's phases and build again")
         for k, segment in enumerate(self.segments):
             if len(segment.weights) != len(source.datasets):
                 raise ConfigError(f"a blend segment has {len(segment.weights)} weights; the source has "
@@ -183,6 +189,9 @@ class SampleStream:
         for segment in reversed(self.segments):
             if underlying >= segment.start:
                 return segment.weights
+        schedule = getattr(self.source, "locator", None)
+        if isinstance(schedule, ScheduleLocator):  # the phase's weights, not the whole run's shares
+            return schedule.target_weights(underlying)
         return tuple(d.weight for d in self.source.datasets)
 
     # -- skips ----------------------------------------------------------------------------------

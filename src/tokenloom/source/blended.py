@@ -3,12 +3,14 @@
 A :class:`BlendedSource` is one split of a build. A *locator* (the contract:
 :class:`~tokenloom.source.protocol.Locator`) says which dataset and which of its samples sit at
 each global position, and which positions hold given samples; one reader per dataset
-(:mod:`tokenloom.source.readers`) turns sample ids into tokens. Three locators cover every build:
+(:mod:`tokenloom.source.readers`) turns sample ids into tokens. Four locators cover every build:
 
 * :class:`ArrayLocator` -- megatron-core's ``dataset_index`` / ``dataset_sample_index`` arrays
   (exact mode; in memory or memory-mapped from the cache);
 * :class:`BlendLocator` -- tokenloom's closed-form :class:`~tokenloom.index.blend.Blend`
   (stateless mode; O(datasets) memory);
+* :class:`ScheduleLocator` -- a mixture schedule's closed-form plan,
+  :class:`~tokenloom.index.schedule.SchedulePlan` (stateless mode; state per phase);
 * :class:`DirectLocator` -- a split that reads one dataset unblended: position ``i`` is its sample ``i``.
 
 The build stage produces these sources (``BuildResult.split(name)``), ``StoreBlendSource`` and
@@ -27,6 +29,7 @@ import numpy as np
 from tokenloom.errors import ConfigError, PositionError
 from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
+from tokenloom.index.schedule import SchedulePlan
 from tokenloom.io.s3 import settings
 from tokenloom.source.protocol import DatasetInfo, Locator, PieceRows
 from tokenloom.source.provenance import SampleOrigin, find, where
@@ -120,6 +123,52 @@ class BlendLocator:
         takes the first ``counts[dataset_id]`` of them, each where the closed form places it."""
         kept = sample_ids[sample_ids < int(self.blend.counts[dataset_id])]
         return np.sort(self.blend.positions_of(np.full(kept.shape[0], dataset_id, dtype=np.int64), kept))
+
+
+class ScheduleLocator:
+    """A mixture schedule's closed-form plan: phase by phase, every dataset numbered on from where
+    it stopped (stateless mode).
+
+    The plan numbers the union of the phases' stores; the split reads ``datasets`` of them (those
+    the schedule takes samples from), in that order, so the locator maps the plan's dataset ids to
+    the split's and back."""
+
+    def __init__(self, plan: SchedulePlan, datasets: Sequence[int] | None = None) -> None:
+        self.plan = plan
+        union = plan.num_datasets
+        # ids: (split datasets,) the plan's id of each; local: (union,) the split's id, -1 if unread
+        self._ids = np.arange(union, dtype=np.int64) if datasets is None else np.asarray(datasets, dtype=np.int64)
+        if self._ids.ndim != 1 or len(np.unique(self._ids)) != len(self._ids) or \
+                (self._ids.size and not 0 <= self._ids.min() <= self._ids.max() < union):
+            raise ConfigError(f"datasets={list(datasets)!r}; expected distinct dataset ids of the schedule's "
+                              f"{union}")
+        unread = np.setdiff1d(np.flatnonzero(plan.totals > 0), self._ids)
+        if unread.size:
+            raise ConfigError(f"the schedule serves dataset {int(unread[0])} but datasets={list(datasets)!r} "
+                              "leaves it out; expected every dataset with samples")
+        self._local = np.full(union, -1, dtype=np.int64)
+        self._local[self._ids] = np.arange(len(self._ids), dtype=np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return self.plan.num_samples
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _, datasets, samples = self.plan.locate(positions)
+        return self._local[datasets], samples
+
+    def positions_of(self, dataset_id: int, sample_ids: np.ndarray) -> np.ndarray:
+        """Ascending positions holding samples ``sample_ids`` of dataset ``dataset_id``: the
+        schedule takes the first ``totals`` of them, each where its closed form places it."""
+        union = int(self._ids[dataset_id])
+        kept = sample_ids[(sample_ids >= 0) & (sample_ids < int(self.plan.totals[union]))]
+        return np.sort(self.plan.positions_of(union, kept))
+
+    def target_weights(self, position: int) -> tuple[float, ...]:
+        """The mixture the schedule aims at, at ``position``, over the split's datasets: the
+        phase's weights, or a ramp's step's interpolated weights."""
+        weights = self.plan.target_weights(np.array([position], dtype=np.int64))[0]  # (union,)
+        return tuple(float(w) for w in weights[self._ids])
 
 
 class DirectLocator:
@@ -332,4 +381,4 @@ class BlendedSource:
                 f"num_samples={self.num_samples}, seq_length={self._seq_length}, build_key={self._build_key[:12]})")
 
 
-__all__ = ["ArrayLocator", "BlendLocator", "BlendedSource", "DirectLocator", "read_by_dataset"]
+__all__ = ["ArrayLocator", "BlendLocator", "BlendedSource", "DirectLocator", "ScheduleLocator", "read_by_dataset"]
