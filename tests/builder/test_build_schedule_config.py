@@ -349,7 +349,8 @@ def test_dry_run_prints_the_schedule_and_writes_nothing(schedule_file, tmp_path,
     before = _listing(tmp_path)
     assert _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "train: 320 samples from 3 store(s) (blended)" in out  # the plan's items, as for a blend
+    # the plan's items, as for a blend; exact mode: the last phase at megatron-core's blended size (320 asked)
+    assert "train: 321 samples from 3 store(s) (blended)" in out
     assert "schedule: 3 phases over 3 store(s): 320 samples, 20 steps, 20,480 tokens" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("      ")}
     # phase, until (asked), the sample it asked, where it ended, steps, samples, tokens, ramp
@@ -383,14 +384,17 @@ def test_a_stateless_build_of_several_phases_runs_from_the_command_line(schedule
     assert (tmp_path / "c").is_dir()
 
 
-def test_an_exact_build_of_several_phases_is_refused_before_writing_anything(schedule_file, tmp_path):
+def test_a_best_fit_build_of_several_phases_is_refused_before_writing_anything(schedule_file, tmp_path):
     before = _listing(tmp_path)
     with pytest.raises(ConfigError, match=rf"{schedule_file}: phases: a schedule of several phases \(3 here\) builds "
-                                          r"in mode: stateless with packing: concat in this release, not with mode: "
-                                          r"exact \(it follows\); --dry-run shows its plan; a one-phase schedule "
-                                          r"builds in every mode"):
-        _run(["build", str(schedule_file), "--cache", str(tmp_path / "c")])
-    with pytest.raises(ConfigError, match=r"not with mode: exact \(it follows\); a dry run shows its plan"):
+                                          r"with packing: concat in this release, not with packing: best_fit \(it "
+                                          r"follows\); --dry-run shows its plan; a one-phase schedule builds in every "
+                                          r"mode"):
+        _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--packing", "best_fit"])
+    data = yaml.safe_load(schedule_file.read_text())
+    schedule_file.write_text(yaml.safe_dump({**data, "packing": "best_fit"}))
+    before = _listing(tmp_path)
+    with pytest.raises(ConfigError, match=r"not with packing: best_fit \(it follows\); a dry run shows its plan"):
         tokenloom.build(str(schedule_file))
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
     assert not (tmp_path / "tokenloom_cache").exists()

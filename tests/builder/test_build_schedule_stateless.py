@@ -1,7 +1,8 @@
 """A stateless build of a schedule of several phases (issue 40, step 4): each store's index sized
 by what the whole schedule takes of it, the train split served by the schedule's closed form
 (``ScheduleLocator``), per phase and store exactly the plan's counts, every store numbered on
-across phases; exact mode with several phases refused before anything is written."""
+across phases; best fit with several phases refused before anything is written (exact mode:
+``test_build_schedule_exact.py``)."""
 
 from __future__ import annotations
 
@@ -150,15 +151,12 @@ def test_one_phase_builds_todays_arrays(tmp_path):
     assert cache_files(tmp_path / "a") == cache_files(tmp_path / "b")
 
 
-@pytest.mark.parametrize("changes, refused", [({"mode": "exact"}, "mode: exact"),
-                                              ({"packing": "best_fit"}, "packing: best_fit")])
-def test_several_phases_are_refused_in_exact_mode_and_best_fit_before_anything_is_written(tmp_path, changes,
-                                                                                         refused):
+def test_several_phases_are_refused_with_best_fit_before_anything_is_written(tmp_path):
     make_stores(tmp_path / "stores", count=4)
     before = _listing(tmp_path)
-    with pytest.raises(ConfigError, match=rf"phases: a schedule of several phases \(3 here\) builds in mode: "
-                                          rf"stateless with packing: concat in this release, not with {refused}"):
-        tokenloom.build(_config(str(tmp_path / "stores"), tmp_path / "c", **changes))
+    with pytest.raises(ConfigError, match=r"phases: a schedule of several phases \(3 here\) builds with packing: "
+                                          r"concat in this release, not with packing: best_fit"):
+        tokenloom.build(_config(str(tmp_path / "stores"), tmp_path / "c", packing="best_fit"))
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
 
 

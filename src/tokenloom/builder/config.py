@@ -272,6 +272,12 @@ class BuildConfig:
                 "drop_last_partial_validation_sequence=False with mode='stateless'; the stateless index "
                 "always drops a trailing partial sample: set it to True or use mode='exact'"
             )
+        if self.megatron_cache_dir is not None and self.phases is not None:
+            raise ConfigError(
+                f"megatron_cache_dir={self.megatron_cache_dir!r} with a schedule of {len(self.phases)} phases; "
+                "megatron-core loads one blend per split and a schedule's train split is one blend per phase, "
+                "so there is nothing megatron-core could load: drop megatron_cache_dir (serve the split with "
+                "tokenloom) or build one phase")
         if self.megatron_cache_dir is not None and self.mode != "exact":
             raise ConfigError(
                 f"megatron_cache_dir={self.megatron_cache_dir!r} with mode={self.mode!r}; megatron-core "
@@ -404,10 +410,10 @@ class BuildConfig:
 
     def check_buildable(self, *, dry_run: str = "a dry run") -> None:
         """ConfigError where this release cannot build the config (a schedule of several phases
-        in exact mode or with best-fit packing), to raise before anything is written; ``dry_run``
+        with best-fit packing), to raise before anything is written; ``dry_run``
         names what shows its plan instead."""
         if self.phases is not None:
-            error = not_built_yet(len(self.phases), mode=self.mode, packing=self.packing, dry_run=dry_run)
+            error = not_built_yet(len(self.phases), packing=self.packing, dry_run=dry_run)
             if error is not None:
                 raise error
 

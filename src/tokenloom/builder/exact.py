@@ -20,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from tokenloom.builder.schedule import schedule_plan_of
 from tokenloom.errors import BuildError
 from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
 from tokenloom.index.megatron_gpt import build_document_index, build_sample_index, build_shuffle_index
+from tokenloom.index.schedule_exact import exact_phase_blends
 from tokenloom.index.split import DocumentRange, document_ids
 from tokenloom.io import IndexedDataset
 
@@ -96,7 +98,10 @@ def build_gpt_arrays(prefix: str, params: Mapping[str, Any],
 
 def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[str, np.ndarray]:
     """megatron-core's ``dataset_index`` and ``dataset_sample_index`` of a ``blend`` item
-    (``threads``: see :func:`tokenloom.index.megatron_blend.megatron_blend`; same arrays)."""
+    (``threads``: see :func:`tokenloom.index.megatron_blend.megatron_blend`; same arrays); a
+    schedule's (its params carry ``schedule``): :func:`build_schedule_arrays`."""
+    if "schedule" in params:
+        return build_schedule_arrays(params, threads=threads)
     lengths = params["dataset_lengths"]
     size = sum(params["weights"]) if params["size"] is None else params["size"]
     backend = "python" if size < SMALL_BLEND_SAMPLES else "auto"  # same arrays, no compile
@@ -115,6 +120,38 @@ def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[s
             f"{lengths[d]}; raise mid_level_dataset_surplus (megatron-core fails here too)"
         )
     return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+
+def build_schedule_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[str, np.ndarray]:
+    """The train blend of an exact schedule build: each phase's megatron-core greedy over its
+    active datasets (:func:`tokenloom.index.schedule_exact.exact_phase_blends`), laid end to end.
+
+    ``dataset_index`` ``(N,)`` int16 (int32 from 32767 datasets) numbers the split's datasets
+    (the schedule's ``served``, in the split's order), as megatron-core's does; ``dataset_sample_index``
+    ``(N,)`` int64 has each phase's offsets added, so every dataset's samples run on across the
+    phases (``0..total - 1``, none twice). BuildError where the greedy draws more of a dataset
+    than its index holds (megatron-core fails on its last phase's overshoot there too)."""
+    plan = schedule_plan_of(params["schedule"])
+    served = np.asarray(params["schedule"]["served"], dtype=np.int64)  # (D_split,) union ids
+    blends = exact_phase_blends(plan, backend="python" if plan.num_samples < SMALL_BLEND_SAMPLES else "auto",
+                                threads=threads)
+    totals = blends.offsets[-1]  # (D_union,) samples drawn of each dataset over the run
+    lengths = np.zeros(plan.num_datasets, dtype=np.int64)  # (D_union,) 0 for a dataset the split skips
+    lengths[served] = np.asarray(params["dataset_lengths"], dtype=np.int64)
+    over = np.flatnonzero(totals > lengths)
+    if over.size:
+        d = int(over[0])
+        k = int(np.argmax(blends.offsets[1:, d] > lengths[d]))  # the first phase that overdraws
+        raise BuildError(f"the schedule's greedy draws {int(blends.offsets[k + 1, d])} samples of dataset {d} by "
+                         f"the end of phase {k + 1}, whose index holds only {int(lengths[d])}; raise "
+                         "mid_level_dataset_surplus (megatron-core fails here too)")
+    local = np.full(plan.num_datasets, -1, dtype=np.int64)  # (D_union,) the split's id of each
+    local[served] = np.arange(served.size, dtype=np.int64)
+    dtype = blends.dataset_index[0].dtype
+    dataset_index = np.concatenate([local[d].astype(dtype) for d in blends.dataset_index])  # (N,)
+    dataset_sample_index = np.concatenate([s + blends.offsets[k, d.astype(np.int64)] for k, (d, s) in
+                                           enumerate(zip(blends.dataset_index, blends.dataset_sample_index))])
+    return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index.astype(np.int64)}
 
 
 def plan_to_dict(plan: EpochPlan) -> dict[str, Any]:
@@ -215,5 +252,5 @@ def drawer_main() -> None:
         _send(stdout, result)
 
 
-__all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "draw_shuffles", "plan_from_dict",
-           "plan_gpt", "plan_to_dict"]
+__all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "build_schedule_arrays", "draw_shuffles",
+           "plan_from_dict", "plan_gpt", "plan_to_dict"]

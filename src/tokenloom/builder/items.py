@@ -6,8 +6,10 @@ blend sizes and weights):
 
 * a ``gpt`` item: one (store, split) packed-sample index;
 * a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store);
-  the train split of a stateless schedule of several phases has the schedule's (each dataset then
-  sized by what the whole schedule takes of it, ``SchedulePlan.totals``);
+  the train split of a schedule of several phases has the schedule's (each dataset then sized by
+  what the whole schedule takes of it: ``SchedulePlan.totals`` when stateless, megatron's buffer
+  over every phase's greedy targets, ``exact_buffers``, when exact; an exact one is built whole
+  by one rank, not divided);
 * with ``packing: best_fit``, ``pack`` items: the chunks of a split's documents packed best fit
   (:mod:`tokenloom.builder.best_fit`), which its ``gpt`` item serves from. They are built before
   the plan, whose sample counts they decide.
@@ -47,6 +49,7 @@ from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
 from tokenloom.index.epochs import EpochPlan, plan_epochs
+from tokenloom.index.schedule_exact import exact_buffers, plan_exact_phases
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 from tokenloom.source.keys import hash_key
 from tokenloom.validate import check_positive_int
@@ -310,14 +313,15 @@ def _blend_item(config: BuildConfig, split_index: int, datasets: list[WorkItem],
 
 def _is_schedule(config: BuildConfig, split_index: int) -> bool:
     """Whether split ``split_index`` is served by the schedule's own blend: the train split of a
-    config of several phases in stateless mode (exact mode's lands later; its dry run plans the
-    train split as one blend of each store's samples over the whole schedule)."""
-    return config.phases is not None and split_index == 0 and config.mode == "stateless"
+    config of several phases (either mode)."""
+    return config.phases is not None and split_index == 0
 
 
 def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> WorkItem:
-    """The train split's blend of a stateless schedule build: the kernel's closed-form plan,
-    keyed by everything that places and counts its samples; it stores the counts per phase."""
+    """The train split's blend of a schedule build, keyed by everything that places and counts
+    its samples. Stateless: the kernel's closed-form plan, storing the counts per phase. Exact:
+    megatron-core's greedy per phase laid end to end (one item, built by one rank), so its size
+    is the phases' exact sizes (the last phase's megatron size included)."""
     plan = config.schedule_plan()
     column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
     served = [column[prefix] for prefix in prefixes]
@@ -328,8 +332,14 @@ def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> W
         "dataset_lengths": [d.num_samples for d in datasets],
         "schedule": schedule_blend_params(plan, served),
     }
-    return WorkItem(kind="blend", key=hash_key(params), split="train",
-                    label=f"schedule train of {plan.num_phases} phases over {len(datasets)} datasets",
+    label = f"schedule train of {plan.num_phases} phases over {len(datasets)} datasets"
+    if config.mode == "exact":
+        last = plan_exact_phases(plan)[-1]
+        total = last.start + last.size
+        output_bytes = total * (np.dtype(np.int16).itemsize + 8)
+        return WorkItem(kind="blend", key=hash_key(params), split="train", label=label, params=params,
+                        num_samples=total, output_bytes=output_bytes, cost_s=blend_cost(total, output_bytes))
+    return WorkItem(kind="blend", key=hash_key(params), split="train", label=label,
                     params=params, num_samples=plan.num_samples, output_bytes=4096 + 8 * plan.counts.size,
                     cost_s=stateless_blend_cost(len(datasets)))
 
@@ -345,6 +355,9 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
     split = SPLIT_NAMES[split_index]
     if _is_schedule(config, split_index):  # each store holds what the whole schedule takes of it
         totals = config.schedule_plan().totals
+        if config.mode == "exact":  # megatron's buffer over the greedy's targets of every phase
+            totals = exact_buffers(plan_exact_phases(config.schedule_plan()),
+                                   surplus=config.mid_level_dataset_surplus)
         column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
         return [int(totals[column[prefix]]) for prefix in blend.prefixes]
     if len(blend.prefixes) == 1 and (blend.weights is None or config.blend_per_split is not None):
@@ -567,8 +580,9 @@ def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: 
 
 
 def is_divided(config: BuildConfig, item: WorkItem) -> bool:
-    """Whether ``item`` is built by every rank, a range each: exact-mode blends."""
-    return config.mode == "exact" and item.kind == "blend"
+    """Whether ``item`` is built by every rank, a range each: exact-mode blends (a schedule's is
+    one rank's item: its phases are built whole, one after another)."""
+    return config.mode == "exact" and item.kind == "blend" and "schedule" not in item.params
 
 
 def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[WorkItem],

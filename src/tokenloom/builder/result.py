@@ -133,10 +133,13 @@ class BuildResult:
             readers.append(reader_class(name=prefix, store=stores[prefix], key=key, prefix=prefix, indices=opener,
                                         num_samples=item.num_samples))
         locator: Locator
+        schedule = None
+        if split.blend_key is not None and "schedule" in self._items[split.blend_key].params:
+            schedule = ScheduleLocator(*schedule_plan(self._items[split.blend_key].params))
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
-        elif self.mode == "stateless" and "schedule" in self._items[split.blend_key].params:
-            locator = ScheduleLocator(*schedule_plan(self._items[split.blend_key].params))
+        elif self.mode == "stateless" and schedule is not None:
+            locator = schedule
         elif self.mode == "stateless":
             locator = BlendLocator(stateless_blend(self._items[split.blend_key].params))
         else:
@@ -145,7 +148,8 @@ class BuildResult:
                                    num_samples=split.num_samples)
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
-                             budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes])
+                             budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes],
+                             schedule=schedule)
 
     def packing_report(self) -> dict[str, PackingReport]:
         """What best-fit packing reached, by split (empty for concatenated samples): one epoch of

@@ -292,15 +292,14 @@ def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Seque
     return "\n".join(lines)
 
 
-def not_built_yet(num_phases: int, *, mode: str, packing: str, dry_run: str = "a dry run") -> ConfigError | None:
+def not_built_yet(num_phases: int, *, packing: str, dry_run: str = "a dry run") -> ConfigError | None:
     """The error a build of several phases raises in this release before it writes anything (None
-    where it builds: the stateless mode with concatenated samples)."""
-    if mode == "stateless" and packing == "concat":
+    where it builds: concatenated samples, in either mode)."""
+    if packing == "concat":
         return None
-    what = f"mode: {mode}" if mode != "stateless" else f"packing: {packing}"
-    return ConfigError(f"phases: a schedule of several phases ({num_phases} here) builds in mode: stateless with "
-                       f"packing: concat in this release, not with {what} (it follows); {dry_run} shows its "
-                       "plan; a one-phase schedule builds in every mode")
+    return ConfigError(f"phases: a schedule of several phases ({num_phases} here) builds with packing: concat in "
+                       f"this release, not with packing: {packing} (it follows); {dry_run} shows its plan; a "
+                       "one-phase schedule builds in every mode")
 
 
 def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str, Any]:

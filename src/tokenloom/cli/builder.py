@@ -76,10 +76,9 @@ def run_build(args) -> int:
             print(plan.describe(done=cached, cache_dir=config.cache_dir))
             if config.phases is not None:
                 print(config.describe_schedule(plan.samples_per_epoch("train")))
-                if config.mode != "stateless" or config.packing != "concat":
-                    print("  (a schedule of several phases builds in mode: stateless with packing: concat in this "
-                          "release; the train split is planned above as one blend of each store's samples over "
-                          "the whole schedule)")
+                if config.packing != "concat":
+                    print("  (a schedule of several phases builds with packing: concat in this release; the train "
+                          "split is planned above as one blend of each store's samples over the whole schedule)")
         else:
             print(f"tokenloom build: {len(plan.items)} items, {len(cached)} cached, "
                   f"{len(plan.items) - len(cached)} to build on {plan.world_size} rank(s), "

@@ -33,7 +33,6 @@ import numpy as np
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend import Blend, largest_remainder_counts
 from tokenloom.source import SampleSource
-from tokenloom.source.blended import ScheduleLocator
 
 _COUNT_CHUNK = 1 << 22
 
@@ -73,7 +72,7 @@ class SampleStream:
         self.underlying_samples = source.num_samples
         """Positions of the underlying stream (the source and its segments): fewer than the
         source's after a weight change when a dataset's index runs out."""
-        if self.segments and isinstance(getattr(source, "locator", None), ScheduleLocator):
+        if self.segments and getattr(source, "schedule", None) is not None:
             raise ConfigError(
                 f"a weight change at position {self.segments[0].start} on a build with a mixture schedule "
                 "(phases); a weight change there is not served in this release (it will replace the current "
@@ -189,8 +188,8 @@ class SampleStream:
         for segment in reversed(self.segments):
             if underlying >= segment.start:
                 return segment.weights
-        schedule = getattr(self.source, "locator", None)
-        if isinstance(schedule, ScheduleLocator):  # the phase's weights, not the whole run's shares
+        schedule = getattr(self.source, "schedule", None)
+        if schedule is not None:  # the phase's weights, not the whole run's shares
             return schedule.target_weights(underlying)
         return tuple(d.weight for d in self.source.datasets)
 

@@ -248,10 +248,12 @@ class BlendedSource:
     def __init__(self, *, readers: Sequence[DatasetReader], weights: Sequence[float], locator: Locator,
                  seq_length: int, add_extra_token: bool, build_key: str, pad_id: int = PAD_TOKEN_ID,
                  name: str = "train", eod_ids: Sequence[int | None] | None = None,
-                 budgets: Sequence[int | None] | None = None) -> None:
+                 budgets: Sequence[int | None] | None = None, schedule: ScheduleLocator | None = None) -> None:
         """``weights`` are the datasets' target shares (summing to 1); ``eod_ids`` give each
         dataset's end-of-document id where its store has no tokenizer record (None: the records');
-        ``budgets`` each dataset's token budget, where the build config gave budgets."""
+        ``budgets`` each dataset's token budget, where the build config gave budgets; ``schedule``
+        the mixture schedule the split was built from (its targets change by phase), in either
+        mode."""
         if len(weights) != len(readers) or (eod_ids is not None and len(eod_ids) != len(readers)):
             raise ConfigError(f"{len(weights)} weights and {None if eod_ids is None else len(eod_ids)} EOD ids "
                               f"for {len(readers)} datasets; expected one of each per dataset")
@@ -262,6 +264,9 @@ class BlendedSource:
         """One reader per dataset, in blend order (dataset id ``d`` is ``readers[d]``)."""
         self.locator = locator
         """Where each global position comes from."""
+        self.schedule = schedule
+        """The split's mixture schedule (a plan of several phases), or None: ``weights`` hold
+        throughout."""
         self.backend: str | None = None
         """Gather kernel (a key of ``tokenloom.source.gather.GATHER_BACKENDS``); None: the default."""
         self._seq_length = int(seq_length)
