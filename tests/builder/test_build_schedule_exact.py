@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tokenloom
-from build_fixtures import cache_files, launch, make_stores
-from test_build_schedule_stateless import _config, _listing
+from build_fixtures import make_stores
+from test_build_schedule_stateless import _config, _listing, _two_ranks
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.config import build_config_from_dict
 from tokenloom.builder.exact import build_schedule_arrays
@@ -120,14 +120,7 @@ def test_a_rebuild_takes_everything_from_the_cache(built):
 
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
-    pytest.importorskip("torch.distributed")
-    root, values, _, result = built
-    (tmp_path / "out").mkdir()
-    outcomes = [r["steps"][0] for r in launch(2, [{"config": {**values, "cache_dir": str(tmp_path / "two")}}],
-                                              tmp_path / "out", timeout_s=240)]
-    assert all(o["ok"] for o in outcomes), outcomes
-    assert {o["build_key"] for o in outcomes} == {result.build_key}
-    assert cache_files(tmp_path / "two") == cache_files(root / "cache")
+    _two_ranks(built, tmp_path)  # the same build key and cache files as one process
 
 
 def test_the_megatron_core_export_is_refused_with_the_reason(tmp_path):

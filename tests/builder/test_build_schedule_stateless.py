@@ -160,8 +160,9 @@ def test_several_phases_are_refused_with_best_fit_before_anything_is_written(tmp
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
 
 
-@pytest.mark.timeout(300)
-def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
+def _two_ranks(built, tmp_path) -> list[dict]:
+    """The built config again on two gloo ranks into ``tmp_path / "two"``: each rank's outcome,
+    checked to have the one-process build key and the one-process cache files."""
     pytest.importorskip("torch.distributed")
     root, values, _, result = built
     (tmp_path / "out").mkdir()
@@ -169,8 +170,14 @@ def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
                                               tmp_path / "out", timeout_s=240)]
     assert all(o["ok"] for o in outcomes), outcomes
     assert {o["build_key"] for o in outcomes} == {result.build_key}
-    assert outcomes[0]["first"] == [int(v) for v in result.split("train")[0][:8]]
     assert cache_files(tmp_path / "two") == cache_files(root / "cache")
+    return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
+    outcomes, result = _two_ranks(built, tmp_path), built[3]
+    assert outcomes[0]["first"] == [int(v) for v in result.split("train")[0][:8]]
 
 
 def test_serving_aims_at_each_phases_weights_and_refuses_a_weight_change_for_now(built):

@@ -18,3 +18,15 @@ class ArrayReader:
 def numbered_documents(lengths):
     """Document d's token at offset o is d * 100_000 + o: every token of the store is distinct."""
     return [np.arange(n, dtype=np.int64) + d * 100_000 for d, n in enumerate(lengths.tolist())]
+
+
+def megatron_blending_indices(weights, size):
+    """megatron-core's build_blending_indices, called the way BlendedDataset calls it: (dataset
+    index (size,) int16, dataset sample index (size,) int64)."""
+    from megatron.core.datasets import helpers_cpp
+
+    weights = np.asarray(weights, dtype=np.float64)
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    helpers_cpp.build_blending_indices(dataset_index, dataset_sample_index, weights, len(weights), size, False)
+    return dataset_index, dataset_sample_index

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from index_fixtures import megatron_blending_indices as megatron
 from tokenloom.errors import ConfigError
 
 # the module, not the function tokenloom.index re-exports under the same name
@@ -20,15 +21,6 @@ mb = importlib.import_module("tokenloom.index.megatron_blend")
 helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def megatron(weights, size):
-    """megatron-core's build_blending_indices, called the way BlendedDataset calls it."""
-    weights = np.asarray(weights, dtype=np.float64)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    helpers_cpp.build_blending_indices(dataset_index, dataset_sample_index, weights, len(weights), size, False)
-    return dataset_index, dataset_sample_index
 
 
 def megatron_exhaustive(sizes):

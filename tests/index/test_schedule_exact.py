@@ -15,24 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from index_fixtures import megatron_blending_indices as megatron
 from schedule_fixtures import TINY, alpha_sums, make_plan, schedules
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import BlendSpec, megatron_sizes, plan_split_blends
 from tokenloom.index.schedule import parse_schedule, plan_schedule
 from tokenloom.index.schedule_exact import exact_buffers, exact_phase_blends, plan_exact_phases
 
-helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
+pytest.importorskip("megatron.core.datasets.helpers_cpp")
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def megatron(weights, size):
-    """megatron-core's build_blending_indices, called the way BlendedDataset calls it."""
-    weights = np.asarray(weights, dtype=np.float64)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    helpers_cpp.build_blending_indices(dataset_index, dataset_sample_index, weights, len(weights), size, False)
-    return dataset_index, dataset_sample_index
 
 
 @SETTINGS

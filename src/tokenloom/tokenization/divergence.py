@@ -49,7 +49,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.io.writer import write_json_atomic
-from tokenloom.tokenization.engines import gigatoken_ids
+from tokenloom.tokenization.engines import differing_documents, gigatoken_ids
 
 logger = logging.getLogger(__name__)
 
@@ -183,24 +183,6 @@ class _Engines:
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for row in ids for i in row), dtype=np.int64, count=int(lengths.sum()))
         return differing_documents((fast_tokens, fast_lengths), (tokens, lengths))
-
-
-def differing_documents(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Indices of the documents whose ids differ between two ``encode_batch`` results."""
-    tokens, lengths = ours
-    expected_tokens, expected_lengths = reference
-    differ = lengths != expected_lengths
-    same = np.flatnonzero(~differ & (lengths > 0))
-    if same.size:
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        expected_starts = np.concatenate([[0], np.cumsum(expected_lengths)[:-1]])
-        counts = lengths[same]
-        # positions of every token of the equally long documents, on each side: (sum(counts),)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        unequal = tokens[np.repeat(starts[same], counts) + within].astype(np.int64) != \
-            expected_tokens[np.repeat(expected_starts[same], counts) + within]
-        differ[same[np.add.reduceat(unequal, np.cumsum(counts) - counts) > 0]] = True
-    return np.flatnonzero(differ)
 
 
 def scan_code_points(text: str, code_points: np.ndarray) -> np.ndarray:
@@ -370,5 +352,5 @@ def refuse_forced(path: str, why: str) -> ConfigError:
 
 
 __all__ = ["CONTEXTS", "GROUP", "MAX_ROUTED_CODE_POINTS", "Divergence", "ScanTarget", "all_code_points", "cache_dir",
-           "differing_documents", "divergence_for", "library_versions", "load_cached", "probe_tokenizer_json",
+           "divergence_for", "library_versions", "load_cached", "probe_tokenizer_json",
            "refuse_forced", "scan_code_points", "scan_part", "store_cached"]

@@ -85,6 +85,24 @@ def check_engine(engine: str) -> str:
     return engine
 
 
+def differing_documents(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Indices of the documents whose ids differ between two ``encode_batch`` results."""
+    tokens, lengths = ours
+    expected_tokens, expected_lengths = reference
+    differ = lengths != expected_lengths
+    same = np.flatnonzero(~differ & (lengths > 0))
+    if same.size:
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        expected_starts = np.concatenate([[0], np.cumsum(expected_lengths)[:-1]])
+        counts = lengths[same]
+        # positions of every token of the equally long documents, on each side: (sum(counts),)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        unequal = tokens[np.repeat(starts[same], counts) + within].astype(np.int64) != \
+            expected_tokens[np.repeat(expected_starts[same], counts) + within]
+        differ[same[np.add.reduceat(unequal, np.cumsum(counts) - counts) > 0]] = True
+    return np.flatnonzero(differ)
+
+
 def first_difference(ours: tuple[np.ndarray, np.ndarray],
                      reference: tuple[np.ndarray, np.ndarray]) -> tuple[int, int, int | None, int | None] | None:
     """Where two ``encode_batch`` results first differ: ``(document, position, id, reference id)``
@@ -93,20 +111,16 @@ def first_difference(ours: tuple[np.ndarray, np.ndarray],
     expected_tokens, expected_lengths = reference
     if np.array_equal(lengths, expected_lengths) and np.array_equal(tokens, expected_tokens):
         return None
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    expected_starts = np.concatenate([[0], np.cumsum(expected_lengths)])
-    for document in range(lengths.shape[0]):
-        a = tokens[starts[document]:starts[document + 1]]
-        b = expected_tokens[expected_starts[document]:expected_starts[document + 1]]
-        if np.array_equal(a, b):
-            continue
-        common = min(a.shape[0], b.shape[0])
-        unequal = np.flatnonzero(a[:common] != b[:common])
-        position = int(unequal[0]) if unequal.size else common
-        return (document, position, int(a[position]) if position < a.shape[0] else None,
-                int(b[position]) if position < b.shape[0] else None)
-    return None  # pragma: no cover - equal documents cannot make unequal arrays
+    document = int(differing_documents(ours, reference)[0])
+    start, expected_start = int(lengths[:document].sum()), int(expected_lengths[:document].sum())
+    a = tokens[start:start + lengths[document]]
+    b = expected_tokens[expected_start:expected_start + expected_lengths[document]]
+    common = min(a.shape[0], b.shape[0])
+    unequal = np.flatnonzero(a[:common] != b[:common])
+    position = int(unequal[0]) if unequal.size else common
+    return (document, position, int(a[position]) if position < a.shape[0] else None,
+            int(b[position]) if position < b.shape[0] else None)
 
 
-__all__ = ["ENGINES", "GUARD_CHARACTERS", "GigatokenEncoder", "check_engine", "first_difference", "gigatoken_ids",
-           "open_gigatoken"]
+__all__ = ["ENGINES", "GUARD_CHARACTERS", "GigatokenEncoder", "check_engine", "differing_documents", "first_difference",
+           "gigatoken_ids", "open_gigatoken"]
