@@ -143,8 +143,8 @@ def test_best_fit_is_still_refused_before_anything_is_written(tmp_path):
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
 
 
-def test_serving_aims_at_each_phases_weights_and_refuses_a_weight_change_for_now(built):
-    """As in stateless mode: the target is the phase's mixture, and a weight change is refused."""
+def test_serving_aims_at_each_phases_weights(built):
+    """As in stateless mode: the target is the phase's mixture."""
     from tokenloom.serve.stream import SampleStream
 
     _, _, config, result = built
@@ -154,5 +154,3 @@ def test_serving_aims_at_each_phases_weights_and_refuses_a_weight_change_for_now
     for position in (0, int(plan.boundaries[1]), (int(plan.boundaries[1]) + int(plan.boundaries[2])) // 2,
                      int(plan.boundaries[-1]) - 1):
         assert np.allclose(stream.target_weights(position), plan.target_weights(np.array([position]))[0][served])
-    with pytest.raises(ConfigError, match=r"a weight change at position 8 on a build with a mixture schedule"):
-        stream.reweighted(8, [1.0] * len(train.datasets))

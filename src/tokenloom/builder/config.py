@@ -102,6 +102,13 @@ class BuildConfig:
     ``max_repetition_ratio``): one number for every store, or ``{store: epochs}``. A build whose
     train split needs more is a ConfigError naming the store and the phase. None: no cap."""
 
+    headroom: float = 0.0
+    """With several ``phases``: the extra fraction of samples each train store's index holds beyond
+    what the schedule takes of it (never past ``max_epochs``), for weight changes at run time
+    (``reweight``): a change that takes more of a store than its index holds is refused with the
+    store, phase and numbers. 0: exactly the schedule's counts (exact mode: megatron-core's buffer
+    over them)."""
+
     seed: int = 1234
     """Megatron's ``--seed``: the RandomState seed of every shuffle (exact) or the Feistel keys."""
 
@@ -306,6 +313,15 @@ class BuildConfig:
                 )
         if self.max_epochs is not None:
             self._read_max_epochs()
+        headroom = self.headroom
+        if not is_number(headroom) or not 0 <= headroom <= 100:
+            raise ConfigError(f"headroom={headroom!r}; expected a fraction of extra samples in [0, 100]")
+        object.__setattr__(self, "headroom", float(headroom))
+        if self.headroom and self.phases is None:
+            raise ConfigError(
+                f"headroom={self.headroom!r} without a schedule of several phases; headroom sizes a schedule's "
+                "stores for weight changes at run time (a single blend's weight change ends the stream where a "
+                "store runs out): drop headroom or give phases")
 
     # -- the schedule ---------------------------------------------------------------------------
     def _read_max_epochs(self) -> None:
@@ -601,12 +617,12 @@ class BuildConfig:
 ARRAY_FIELDS = (
     "seq_length", "blend", "blend_per_split", "split", "train_samples", "valid_samples",
     "test_samples", "seed", "add_extra_token", "drop_last_partial_validation_sequence",
-    "mid_level_dataset_surplus", "mode", "packing", "best_fit_window", "phases",
+    "mid_level_dataset_surplus", "mode", "packing", "best_fit_window", "phases", "headroom",
 )
 
 #: Array fields added after the first builds: left out of :func:`array_config` at their default, so
 #: that a build key (which a checkpoint's serving state names) stays what it was before them.
-_LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None, "phases": None}
+_LATER_ARRAY_DEFAULTS = {"packing": "concat", "best_fit_window": None, "phases": None, "headroom": 0.0}
 
 
 def array_config(config: BuildConfig) -> dict[str, Any]:

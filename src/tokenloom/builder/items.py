@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from tokenloom.builder.cost_model import (
 )
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.packs import CACHE_FORMAT_VERSION
-from tokenloom.builder.schedule import schedule_blend_params
+from tokenloom.builder.schedule import epoch_room, schedule_blend_params
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
@@ -348,10 +349,11 @@ def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
 
 
-def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None) -> list[int | None]:
-    """The ``num_samples`` each store's ``gpt`` item of a split is built for, from the config alone:
-    megatron-core's buffers, tokenloom's stateless counts, the split's size for a store read
-    directly, or None (every sample of an epoch: unweighted blends)."""
+def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None,
+                   infos: Mapping[str, StoreInfo]) -> list[int | None]:
+    """The ``num_samples`` each store's ``gpt`` item of a split is built for: megatron-core's
+    buffers, tokenloom's stateless counts, a schedule's totals (plus its headroom), the split's
+    size for a store read directly, or None (every sample of an epoch: unweighted blends)."""
     split = SPLIT_NAMES[split_index]
     if _is_schedule(config, split_index):  # each store holds what the whole schedule takes of it
         totals = config.schedule_plan().totals
@@ -359,7 +361,10 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
             totals = exact_buffers(plan_exact_phases(config.schedule_plan()),
                                    surplus=config.mid_level_dataset_surplus)
         column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
-        return [int(totals[column[prefix]]) for prefix in blend.prefixes]
+        sizes = [int(totals[column[prefix]]) for prefix in blend.prefixes]
+        if config.headroom:
+            sizes = _with_headroom(config, blend.prefixes, sizes, infos)
+        return sizes
     if len(blend.prefixes) == 1 and (blend.weights is None or config.blend_per_split is not None):
         return [size]  # one store read directly
     if blend.weights is None:
@@ -374,6 +379,18 @@ def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | Non
         weights = megatron_normalize(blend.weights).tolist()
         return [int(n) for n in largest_remainder_counts(np.asarray(weights), size).tolist()]
     return list(blend.megatron_sizes(size, surplus=config.mid_level_dataset_surplus).buffers)
+
+
+def _with_headroom(config: BuildConfig, prefixes, sizes: list[int], infos: Mapping[str, StoreInfo]) -> list[int]:
+    """``sizes`` grown by the config's headroom, each never past its store's ``max_epochs`` (nor
+    below what the schedule itself takes). The epoch is read from the store's info where this
+    rank has it; a store without one here is sized by another rank, which has it."""
+    grown = [math.ceil(n * (1.0 + config.headroom)) for n in sizes]
+    if config.max_epochs is None:
+        return grown
+    present = {p: infos[p] for p in prefixes if p in infos}
+    room = epoch_room(config.max_epochs, list(prefixes), train_samples_per_epoch(config, present))
+    return [max(n, min(g, int(r))) for n, g, r in zip(sizes, grown, room.tolist())]
 
 
 GptItems = dict[tuple[str, int, int, int, int | None], WorkItem]
@@ -417,7 +434,7 @@ def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
         if not any(p in infos and split_ranges(config, infos[p].num_sequences, p)[split_index] is not None
                    for p in blend.prefixes):
             continue  # none of these stores is read by this split
-        counts = _dataset_sizes(config, blend, split_index, sizes[split_index])
+        counts = _dataset_sizes(config, blend, split_index, sizes[split_index], infos)
         for prefix, n in zip(blend.prefixes, counts):
             if prefix in infos:
                 _make_gpt(config, infos, made, prefix, split_index, n, pack_samples)
@@ -460,7 +477,7 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
         if any(r is None for r in ranges):
             continue  # the split string gives this split no weight
         size = sizes[split_index]
-        counts = _dataset_sizes(config, blend, split_index, size)
+        counts = _dataset_sizes(config, blend, split_index, size, infos)
         datasets = [_make_gpt(config, infos, made, p, split_index, n, pack_samples)
                     for p, n in zip(blend.prefixes, counts)]
         for item in datasets:  # a best-fit dataset's chunks come before it

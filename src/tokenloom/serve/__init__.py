@@ -35,7 +35,7 @@ _MOVED = {
     "STATE_FORMAT": "tokenloom.serve.sampler",
     "check_state": "tokenloom.serve.sampler",
     "build_fields": "tokenloom.serve.samples",
-    "BlendSegment": "tokenloom.serve.stream",
+    "BlendSegment": "tokenloom.serve.weight_changes",
     "SampleStream": "tokenloom.serve.stream",
     "RankCoordinates": "tokenloom.serve.topology",
     "RankPlan": "tokenloom.serve.topology",

@@ -87,6 +87,13 @@ class MixtureAudit:
                   "tokens": [int(t) for t in tokens], "cumulative_tokens": [int(t) for t in self._cumulative],
                   "target_weights": [float(t) for t in target], "drift": [float(d) for d in drift],
                   "fingerprint": batch_fingerprint(source.build_key, dataset_ids, sample_ids)}
+        phase = stream.phase_of(sampler.step_start)
+        if phase is not None:  # a schedule's phase, numbered from 1 as the config and the dry run do
+            record["phase"] = phase + 1
+        if stream.segments:  # the step a weight change at run time starts (a ramp's steps are not changes)
+            first = int(stream.underlying(np.array([sampler.step_start]))[0])
+            if any(segment.start == first for segment in stream.segments):
+                record["weights_changed"] = True
         # positions taken out of the stream (skipped steps, quarantined documents) since the last
         # position served before this step, up to this step's last: this step jumped them
         if stream.skips or stream.quarantined.shape[0]:
@@ -131,12 +138,53 @@ class MixtureAudit:
 
 
 def expected_samples(stream, position: int) -> np.ndarray:
-    """(num_datasets,) float64: samples the weights in force asked of each dataset in ``[0, position)``."""
+    """(num_datasets,) float64: samples the weights in force asked of each dataset in ``[0, position)``
+    (what the log's steps summed before a resume at ``position``)."""
+    if stream.schedule is not None:
+        return _scheduled_expectation(stream, position)
     starts = [stream.logical(s.start) for s in stream.segments]  # segments start at underlying positions
     bounds = [0] + [start for start in starts if start < position] + [position]
     expected = np.zeros(len(stream.source.datasets))
     for begin, end in itertools.pairwise(bounds):
         expected += np.asarray(stream.target_weights(begin)) * (end - begin)
+    return expected
+
+
+#: Ramp steps whose targets are summed at once (a block of steps x datasets float64).
+_RAMP_BLOCK = 4096
+
+
+def _scheduled_expectation(stream, position: int) -> np.ndarray:
+    """:func:`expected_samples` on a mixture schedule, as the steps summed it: each step's target
+    times its samples. The target is constant between phase boundaries and weight changes, so such
+    a stretch counts at once; in a ramp it moves every step of the build's batch schedule, so a
+    ramp's steps are summed block by block (O(ramp steps x datasets), once per resume)."""
+    from tokenloom.index.batch_sizes import StepRuns
+
+    plan = stream.schedule.plan
+    num_datasets = len(stream.source.datasets)
+    end = (int(stream.underlying(np.array([position]))[0]) if position < stream.num_samples
+           else stream.underlying_samples)
+    cuts = {0, end, *(int(b) for b in plan.boundaries)}
+    for k, segment in enumerate(stream.segments):
+        cuts.update((segment.start, stream.changes.segment_end(k)))
+    cuts = sorted(c for c in cuts if 0 <= c <= end)
+    runs = StepRuns.of(plan.batch_steps)
+    expected = np.zeros(num_datasets)
+    for a, b in itertools.pairwise(cuts):
+        if a >= b:
+            continue
+        phase = int(plan.phase_of(min(a, plan.num_samples - 1)))
+        if stream.changes.change_holding(a) is not None or plan.ramps[phase] is None or a >= plan.num_samples:
+            expected += np.asarray(stream.changes.target_at(a)) * float(stream.served_between(a, b))
+            continue
+        first, last = (int(s) for s in runs.step_at(np.array([a, b - 1])))
+        for block in range(first, last + 1, _RAMP_BLOCK):
+            steps = np.arange(block, min(last + 1, block + _RAMP_BLOCK), dtype=np.int64)
+            begins = np.clip(runs.step_start(steps), a, b)
+            ends = np.clip(runs.step_start(steps + 1), a, b)
+            served = stream.served_between(begins, ends).astype(np.float64)  # (n,)
+            expected += (stream.schedule.targets_at(begins) * served[:, None]).sum(axis=0)
     return expected
 
 

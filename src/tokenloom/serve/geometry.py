@@ -8,15 +8,25 @@ positions ``[consumed, consumed + G)`` whatever ``dp`` is: a run can resume on a
 
 A schedule changes ``G`` with the samples consumed (Megatron's ``--step-batch-size-schedule``
 "0:768 250B:1536", or the classic ``--rampup-batch-size start increment samples``).
+
+A build with a mixture schedule placed its phase boundaries on its own optimizer steps;
+:func:`check_planned_steps` refuses a geometry that steps otherwise, so every phase ends at a
+global-batch boundary of the run that serves it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.batch_sizes import parse_step_schedule, rampup_steps
+from tokenloom.index.batch_sizes import StepRuns, parse_step_schedule, rampup_steps
 from tokenloom.validate import is_integer
+
+if TYPE_CHECKING:
+    from tokenloom.index.schedule import SchedulePlan
 
 
 def _positive(name: str, value) -> int:
@@ -117,6 +127,12 @@ class BatchGeometry:
                              dp=dp, schedule=self.schedule)
 
     @property
+    def batch_steps(self) -> tuple[tuple[int, int], ...]:
+        """The global batch sizes as ``(threshold_samples, global_batch_size)`` pairs (the
+        schedule's ``steps``; one pair without a schedule): what a build's ``batch_steps`` hold."""
+        return self.schedule.steps if self.schedule is not None else ((0, self.global_batch_size),)
+
+    @property
     def samples_per_micro_step(self) -> int:
         """Samples one micro-step takes from the stream over all data-parallel ranks."""
         return self.micro_batch_size * self.dp
@@ -175,4 +191,41 @@ class BatchGeometry:
         raise ConfigError(f"consumed_samples={consumed_samples} falls inside an optimizer step of this geometry")
 
 
-__all__ = ["BatchGeometry", "BatchSizeSchedule"]
+def check_planned_steps(geometry: BatchGeometry, plan: SchedulePlan) -> None:
+    """ConfigError unless ``geometry`` cuts the run into the optimizer steps ``plan``'s phases were
+    placed on (``plan.batch_steps``), over every step that starts before the run's end: otherwise
+    a phase would not end at the step the build put it on (``until: {steps: N}`` counts the
+    build's steps, a ramp's weights move per build step), or would end inside a global batch.
+
+    Compares the two batch-size schedules as runs of equal steps (:class:`StepRuns`): O(thresholds),
+    not O(steps), and two definitions that step alike (a threshold inside the same step) agree."""
+    built, here = StepRuns.of(plan.batch_steps), StepRuns.of(geometry.batch_steps)
+    # (C,) the steps where either schedule changes size: between two of them both sizes hold still
+    changes = np.union1d(built.first_step, here.first_step)
+    differ = np.flatnonzero(built.size_of(changes) != here.size_of(changes))
+    if differ.size == 0:
+        return
+    step = int(changes[differ[0]])
+    start = int(built.step_start(step))  # the same in both: every step before it agrees
+    if start >= plan.num_samples:
+        return  # past the run's end: no phase left to keep
+    steps = tuple((int(t), int(s)) for t, s in plan.batch_steps)
+    size = steps[-1][1]
+    build = (f"global_batch_size {size} and no batch-size ramp" if len(steps) == 1 else
+             f"global_batch_size {size} after a batch-size ramp of (threshold_samples, size) steps {steps}")
+    mine = f"global_batch_size={geometry.global_batch_size} and " + (
+        "no schedule" if geometry.schedule is None else f"a schedule of steps {geometry.schedule.steps}")
+    inner = [f"{b} (step {k})" for b, k in zip(plan.boundaries[1:-1], plan.boundary_steps[1:-1])]
+    shown = ", ".join(inner[:6]) + (", ..." if len(inner) > 6 else "")
+    fix = f"global_batch_size={size}" + ("" if len(steps) == 1 else f", schedule=BatchSizeSchedule(steps={steps})")
+    raise ConfigError(
+        f"the build placed its phases on optimizer steps of {build} (its config's global_batch_size and "
+        f"rampup_batch_size or step_batch_size_schedule; phase boundaries at samples {shown}), but this "
+        f"BatchGeometry has {mine}: step {step}, from sample {start}, takes {int(built.size_of(step))} samples "
+        f"in the build and {int(here.size_of(step))} here, so the phases would not end at the build's steps. "
+        f"Serve with the build's batch sizes, BatchGeometry({fix}, ...) (a loader that takes only a "
+        "global_batch_size, such as the JAX HostLoader or GrainStream, serves a build without a batch-size "
+        "ramp), or build again with this geometry's")
+
+
+__all__ = ["BatchGeometry", "BatchSizeSchedule", "check_planned_steps"]

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.serve.geometry import BatchGeometry
-from tokenloom.serve.stream import BlendSegment, SampleStream
+from tokenloom.serve.geometry import BatchGeometry, check_planned_steps
+from tokenloom.serve.stream import SampleStream
+from tokenloom.serve.weight_changes import BlendSegment
 from tokenloom.source import SampleSource
 from tokenloom.validate import is_integer
 
@@ -31,12 +32,17 @@ class MicroBatchSampler:
     Step ``k`` starts after ``consumed`` samples and serves ``[consumed, consumed + G)``; its
     micro-step ``m`` gives rank ``r`` positions ``consumed + m x micro x dp + r x micro + [0, micro)``.
     Iteration stops before the first step the stream cannot fill (or after ``max_steps`` steps).
+    A source with a mixture schedule needs the geometry's steps to be the ones its phase
+    boundaries were planned on (ConfigError otherwise; :func:`check_planned_steps`).
     """
 
     def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *, dp_rank: int = 0,
                  max_steps: int | None = None) -> None:
         self.stream = source if isinstance(source, SampleStream) else SampleStream(source)
         self.geometry = geometry
+        schedule = getattr(self.stream.source, "schedule", None)
+        if schedule is not None:  # every loader and adapter builds its sampler here
+            check_planned_steps(geometry, schedule.plan)
         if not 0 <= dp_rank < geometry.dp:
             raise ConfigError(f"dp_rank={dp_rank!r}; expected an integer in [0, {geometry.dp})")
         self.dp_rank = int(dp_rank)
@@ -61,7 +67,17 @@ class MicroBatchSampler:
     @property
     def global_batch_size(self) -> int:
         """Global batch size of the current step."""
-        return self.geometry.global_batch_size_at(self.step_start)
+        return self.size_at(self.step_start)
+
+    def size_at(self, consumed: int) -> int:
+        """Samples of the step that starts after ``consumed`` served samples. On a mixture schedule
+        the build placed the steps and the phases on the stream's underlying positions, and steps
+        taken out by ``skip_steps`` still count, as Megatron-LM counts a skipped iteration's
+        samples as consumed; so a batch-size ramp is read there and every later step stays on the
+        build's grid. Other builds keep the served count (their states were saved that way)."""
+        if self.geometry.schedule is None or self.stream.schedule is None:
+            return self.geometry.global_batch_size_at(consumed)
+        return self.geometry.global_batch_size_at(int(self.stream.underlying(np.array([consumed]))[0]))
 
     @property
     def num_micro_batches(self) -> int:
@@ -127,7 +143,7 @@ class MicroBatchSampler:
             if not is_integer(value) or value < 0:
                 raise ConfigError(f"{name}={value!r}; expected a non-negative integer")
         if micro_batch:  # 0 is in every step
-            micro_batches = self.geometry.num_micro_batches_for(self.geometry.global_batch_size_at(int(step_start)))
+            micro_batches = self.geometry.num_micro_batches_for(self.size_at(int(step_start)))
             if micro_batch >= micro_batches:
                 raise ConfigError(f"micro_batch={micro_batch}; the step starting after {step_start} samples has "
                                   f"{micro_batches} micro-batches, so expected an integer in [0, {micro_batches})")
@@ -156,10 +172,10 @@ class MicroBatchSampler:
                               f"{self.step} is the next to serve; load an earlier state to skip earlier steps)")
         begin = self.step_start
         for _ in range(self.step, first):  # the logical positions of those steps, batch ramp included
-            begin += self.geometry.global_batch_size_at(begin)
+            begin += self.size_at(begin)
         end = begin
         for _ in range(first, stop):
-            end += self.geometry.global_batch_size_at(end)
+            end += self.size_at(end)
         end = min(end, self.stream.num_samples)
         self.stream = self.stream.skipped(min(begin, end), end)
 
@@ -219,9 +235,8 @@ class MicroBatchSampler:
             raise ConfigError(f"serving state: malformed skipped_ranges / quarantine / quarantined_positions "
                               f"({exc}); expected [[begin, end], ...], [{{prefix, document}}, ...], "
                               "[positions]") from None
-        stream = SampleStream(self.source, segments, skips=skips, quarantine=quarantine, quarantined=quarantined)
+        self.stream = SampleStream(self.source, segments, skips=skips, quarantine=quarantine, quarantined=quarantined)
         self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
-        self.stream = stream
 
 
 def check_state(state: dict[str, Any], build_key: str) -> None:

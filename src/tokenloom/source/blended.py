@@ -164,6 +164,16 @@ class ScheduleLocator:
         kept = sample_ids[(sample_ids >= 0) & (sample_ids < int(self.plan.totals[union]))]
         return np.sort(self.plan.positions_of(union, kept))
 
+    def samples_reached(self, position: int) -> np.ndarray:
+        """``(datasets,)`` int64: samples of each of the split's datasets in positions
+        ``[0, position)``, closed form (what a weight change at ``position`` continues from)."""
+        return self.plan.samples_reached(position)[self._ids]
+
+    def targets_at(self, positions) -> np.ndarray:
+        """``(n, datasets)`` float64: :meth:`target_weights` at each of ``positions`` at once."""
+        weights = self.plan.target_weights(np.asarray(positions, dtype=np.int64).reshape(-1))  # (n, union)
+        return weights[:, self._ids]
+
     def target_weights(self, position: int) -> tuple[float, ...]:
         """The mixture the schedule aims at, at ``position``, over the split's datasets: the
         phase's weights, or a ramp's step's interpolated weights."""
