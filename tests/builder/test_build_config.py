@@ -133,8 +133,9 @@ def test_keys_change_with_every_array_field():
         "drop_last_partial_validation_sequence": False, "mid_level_dataset_surplus": 0.01,
         "mode": "stateless", "packing": "best_fit",
     }
-    # blend_per_split and phases replace blend (test_build_schedule_config.py keys phases)
-    assert set(changed) | {"blend_per_split", "best_fit_window", "phases"} == set(ARRAY_FIELDS)
+    # blend_per_split and phases replace blend (test_build_schedule_config.py keys phases);
+    # headroom needs phases (test_build_schedule_serving.py keys it)
+    assert set(changed) | {"blend_per_split", "best_fit_window", "phases", "headroom"} == set(ARRAY_FIELDS)
     keys = {hash_key(array_config(base))}
     for name, value in changed.items():
         config = base.replace(**{name: value})

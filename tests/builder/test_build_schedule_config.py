@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import yaml
 
-import tokenloom
 from build_fixtures import make_stores
 from tokenloom.builder.config import ARRAY_FIELDS, BuildConfig, array_config, build_config_from_dict, load_build_config
 from tokenloom.builder.items import ranges_for, resolve_items
@@ -384,17 +383,3 @@ def test_a_stateless_build_of_several_phases_runs_from_the_command_line(schedule
     assert (tmp_path / "c").is_dir()
 
 
-def test_a_best_fit_build_of_several_phases_is_refused_before_writing_anything(schedule_file, tmp_path):
-    before = _listing(tmp_path)
-    with pytest.raises(ConfigError, match=rf"{schedule_file}: phases: a schedule of several phases \(3 here\) builds "
-                                          r"with packing: concat in this release, not with packing: best_fit \(it "
-                                          r"follows\); --dry-run shows its plan; a one-phase schedule builds in every "
-                                          r"mode"):
-        _run(["build", str(schedule_file), "--cache", str(tmp_path / "c"), "--packing", "best_fit"])
-    data = yaml.safe_load(schedule_file.read_text())
-    schedule_file.write_text(yaml.safe_dump({**data, "packing": "best_fit"}))
-    before = _listing(tmp_path)
-    with pytest.raises(ConfigError, match=r"not with packing: best_fit \(it follows\); a dry run shows its plan"):
-        tokenloom.build(str(schedule_file))
-    assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
-    assert not (tmp_path / "tokenloom_cache").exists()

@@ -2,7 +2,7 @@
 megatron's buffer over the greedy's targets of every phase, the train split one blend item whose
 arrays are each phase's megatron-core greedy laid end to end (ids over the split's stores, sample
 numbers run on across the phases); megatron-core's cache export refused (one blend per split);
-best fit still refused before anything is written."""
+best fit: ``test_build_schedule_stateless.py``."""
 
 from __future__ import annotations
 
@@ -133,14 +133,6 @@ def test_the_megatron_core_export_is_refused_with_the_reason(tmp_path):
     assert _listing(tmp_path) == before and not (tmp_path / "c").exists() and not (tmp_path / "megatron").exists()
     one = {**values, "phases": values["phases"][:1]}  # one phase: today's blend, which megatron-core loads
     assert build_config_from_dict(one).megatron_cache_dir == os.path.join(str(tmp_path), "megatron")
-
-
-def test_best_fit_is_still_refused_before_anything_is_written(tmp_path):
-    make_stores(tmp_path / "stores", count=4)
-    before = _listing(tmp_path)
-    with pytest.raises(ConfigError, match=r"builds with packing: concat in this release, not with packing: best_fit"):
-        tokenloom.build(_config(str(tmp_path / "stores"), tmp_path / "c", mode="exact", packing="best_fit"))
-    assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
 
 
 def test_serving_aims_at_each_phases_weights(built):

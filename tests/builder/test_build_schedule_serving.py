@@ -172,6 +172,17 @@ def test_a_change_beyond_a_stores_index_is_refused_with_the_store_phase_and_numb
     _check_numbering(SampleStream(roomy).reweighted(480, [0.6, 0.4, 0.0, 0.0]))  # a small change fits
 
 
+def test_headroom_is_in_the_build_key_and_a_config_without_it_keeps_its_key(tmp_path):
+    from tokenloom.builder.config import array_config
+    from tokenloom.source.keys import hash_key
+
+    values = _config(str(tmp_path / "stores"), tmp_path / "c")
+    plain = build_config_from_dict(values)
+    assert "headroom" not in array_config(plain)
+    roomy = build_config_from_dict({**values, "headroom": 0.25})
+    assert array_config(roomy)["headroom"] == 0.25 and hash_key(array_config(roomy)) != hash_key(array_config(plain))
+
+
 def test_headroom_is_refused_without_several_phases_and_capped_by_max_epochs(tmp_path):
     make_stores(tmp_path / "stores", count=4)
     stores = str(tmp_path / "stores")
@@ -180,6 +191,9 @@ def test_headroom_is_refused_without_several_phases_and_capped_by_max_epochs(tmp
         build_config_from_dict(_config(stores, tmp_path / "c", phases=one, headroom=0.2))
     with pytest.raises(ConfigError, match=r"headroom=-1; expected a fraction"):
         build_config_from_dict(_config(stores, tmp_path / "c", headroom=-1))
+    with pytest.raises(ConfigError, match=r"headroom=0.1 with max_epochs and packing: best_fit; a best-fit store's "
+                                          r"epoch is known only once its documents are packed"):
+        build_config_from_dict(_config(stores, tmp_path / "c", headroom=0.1, max_epochs=2, packing="best_fit"))
     values = _config(stores, tmp_path / "c", headroom=100.0, max_epochs=2.0)
     result = tokenloom.build(values)
     config = build_config_from_dict(values)

@@ -1,8 +1,7 @@
 """A stateless build of a schedule of several phases (issue 40, step 4): each store's index sized
 by what the whole schedule takes of it, the train split served by the schedule's closed form
 (``ScheduleLocator``), per phase and store exactly the plan's counts, every store numbered on
-across phases; best fit with several phases refused before anything is written (exact mode:
-``test_build_schedule_exact.py``)."""
+across phases; best fit per phase in both modes (exact mode: ``test_build_schedule_exact.py``)."""
 
 from __future__ import annotations
 
@@ -151,13 +150,44 @@ def test_one_phase_builds_todays_arrays(tmp_path):
     assert cache_files(tmp_path / "a") == cache_files(tmp_path / "b")
 
 
-def test_several_phases_are_refused_with_best_fit_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize("mode", ["stateless", "exact"])
+def test_best_fit_serves_each_phase_whole_documents_and_every_store_numbers_on(tmp_path, mode):
+    """Best fit packs each store's documents before the blend, so a phase boundary falls between
+    packed samples and no packing window is cut by it: per phase the rule's counts (the plan's,
+    or megatron-core's greedy per phase), every store numbered on, whole documents then padding."""
+    from tokenloom.index.schedule_exact import exact_phase_blends
+
     make_stores(tmp_path / "stores", count=4)
-    before = _listing(tmp_path)
-    with pytest.raises(ConfigError, match=r"phases: a schedule of several phases \(3 here\) builds with packing: "
-                                          r"concat in this release, not with packing: best_fit"):
-        tokenloom.build(_config(str(tmp_path / "stores"), tmp_path / "c", packing="best_fit"))
-    assert _listing(tmp_path) == before and not (tmp_path / "c").exists()
+    values = _config(str(tmp_path / "stores"), tmp_path / "c", mode=mode, packing="best_fit")
+    config, result = build_config_from_dict(values), tokenloom.build(values)
+    plan, train = config.schedule_plan(), result.split("train")
+    union = list(config.schedule_stores.prefixes)
+    served = [union.index(p) for p in result.plan.splits[0].prefixes]
+    datasets, samples = train.locate(np.arange(len(train), dtype=np.int64))
+    if mode == "stateless":
+        starts, counts = plan.boundaries, plan.counts
+    else:
+        blends = exact_phase_blends(plan, backend="python")
+        starts, counts = [p.start for p in blends.phases] + [len(train)], blends.counts
+    for k in range(plan.num_phases):
+        got = np.bincount(datasets[starts[k]:starts[k + 1]], minlength=len(served))
+        assert got.tolist() == counts[k, served].tolist(), k
+    for local in range(len(served)):
+        assert samples[datasets == local].tolist() == list(range(int((datasets == local).sum())))
+    positions = np.arange(plan.boundaries[1] - 24, plan.boundaries[1] + 24)  # around the first boundary
+    rows = train.read_samples(*train.locate(positions))
+    for origin in train.where(positions):
+        store = train.readers[origin.dataset].store
+        row, column = rows[origin.position - positions[0]], 0
+        for piece in origin.pieces:
+            assert np.array_equal(row[column:column + piece.length],
+                                  store.get(piece.document, offset=piece.offset, length=piece.length))
+            column += piece.length
+        assert np.all(row[column:] == train.pad_id)
+        capacity = train.seq_length + 1
+        for piece in origin.pieces:  # a whole document, or a sample-length cut of a longer one
+            ends = piece.offset + piece.length == int(store.sequence_lengths[piece.document])
+            assert piece.offset % capacity == 0 and (ends or piece.length == capacity), piece
 
 
 def _two_ranks(built, tmp_path) -> list[dict]:

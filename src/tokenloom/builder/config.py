@@ -28,7 +28,6 @@ from tokenloom.builder.schedule import (
     batch_size_steps,
     epoch_room,
     format_schedule,
-    not_built_yet,
     plan_phases,
     read_max_epochs,
     read_phases,
@@ -68,7 +67,7 @@ class BuildConfig:
     ``{blend, until: {tokens|steps|samples: N}, ramp: linear, seq_length}`` (mappings are read
     into :class:`~tokenloom.builder.schedule.PhaseSpec`). One phase is rewritten into ``blend`` and
     ``train_samples`` (today's build, key for key); several are planned (:meth:`schedule_plan`)
-    and build in the stateless mode (:meth:`check_buildable`)."""
+    and built in either mode, with either packing."""
 
     split: str | None = None
     """Megatron's split string such as ``"969,30,1"``; required with ``blend`` or ``phases``,
@@ -317,6 +316,11 @@ class BuildConfig:
         if not is_number(headroom) or not 0 <= headroom <= 100:
             raise ConfigError(f"headroom={headroom!r}; expected a fraction of extra samples in [0, 100]")
         object.__setattr__(self, "headroom", float(headroom))
+        if self.headroom and self.max_epochs is not None and self.packing == "best_fit":
+            raise ConfigError(
+                f"headroom={self.headroom!r} with max_epochs and packing: best_fit; a best-fit store's epoch is "
+                "known only once its documents are packed, after its index is sized, so max_epochs cannot cap "
+                "the headroom: drop one of them")
         if self.headroom and self.phases is None:
             raise ConfigError(
                 f"headroom={self.headroom!r} without a schedule of several phases; headroom sizes a schedule's "
@@ -423,15 +427,6 @@ class BuildConfig:
         each store's epochs."""
         union, plan, _ = self._schedule_parts()
         return format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
-
-    def check_buildable(self, *, dry_run: str = "a dry run") -> None:
-        """ConfigError where this release cannot build the config (a schedule of several phases
-        with best-fit packing), to raise before anything is written; ``dry_run``
-        names what shows its plan instead."""
-        if self.phases is not None:
-            error = not_built_yet(len(self.phases), packing=self.packing, dry_run=dry_run)
-            if error is not None:
-                raise error
 
     def check_max_epochs(self, samples_per_epoch: Mapping[str, int]) -> None:
         """ConfigError naming the store and the phase where the train split needs more samples

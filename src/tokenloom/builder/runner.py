@@ -45,8 +45,6 @@ def build(config, group=None, *, dry_run: bool = False, on_progress: ProgressCal
     # TODO(ranks): a config file missing on one rank only fails that rank here, before the group
     # exists (its timeout is in the file), so the others wait for their timeout.
     config = as_build_config(config)
-    if not dry_run:  # before anything is opened or written
-        config.check_buildable()
     group, owned = open_group(group, timeout_s=config.timeout_s)
     blend_group = None
     try:

@@ -292,16 +292,6 @@ def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Seque
     return "\n".join(lines)
 
 
-def not_built_yet(num_phases: int, *, packing: str, dry_run: str = "a dry run") -> ConfigError | None:
-    """The error a build of several phases raises in this release before it writes anything (None
-    where it builds: concatenated samples, in either mode)."""
-    if packing == "concat":
-        return None
-    return ConfigError(f"phases: a schedule of several phases ({num_phases} here) builds with packing: concat in "
-                       f"this release, not with packing: {packing} (it follows); {dry_run} shows its plan; a "
-                       "one-phase schedule builds in every mode")
-
-
 def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str, Any]:
     """What the train split's blend item of a stateless schedule build hashes and rebuilds its
     plan from (:func:`schedule_plan_of`): each phase's weights over the union, its ramp and
@@ -338,7 +328,6 @@ __all__ = [
     "epoch_room",
     "format_schedule",
     "mixture_schedule",
-    "not_built_yet",
     "plan_phases",
     "read_max_epochs",
     "read_phases",

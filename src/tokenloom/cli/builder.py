@@ -64,11 +64,6 @@ def run_build(args) -> int:
     if args.no_shared_fs:
         overrides["shared_fs"] = False
     config = load_build_config(args.config, **overrides)
-    if not args.dry_run:
-        try:
-            config.check_buildable(dry_run="--dry-run")
-        except tokenloom.ConfigError as exc:
-            raise tokenloom.ConfigError(f"{args.config}: {exc}") from None
     bar = {}
 
     def on_plan(plan, cached) -> None:
