@@ -283,3 +283,20 @@ def test_the_mixture_plot_of_a_schedule_draws_each_steps_target_and_the_phases(b
     dashed = [line for line in now.get_lines() if line.get_linestyle() not in ("-", ":")]
     ramp = [np.asarray(line.get_ydata())[64:79] for line in dashed]
     assert any(np.ptp(y) > 0.01 and np.allclose(np.diff(y, n=2), 0.0, atol=1e-12) for y in ramp)  # sloped, straight
+
+
+def test_samples_reached_counts_the_served_positions_after_changes_skips_and_quarantines(built):
+    """The count a resume starts the audit from: closed form on a stateless schedule, less what was
+    taken out; the slow reference counts the positions served."""
+    from tokenloom.serve.weight_changes import count_samples
+
+    _, _, result = built
+    train = result.split("train")
+    stream = SampleStream(train).reweighted(480, [0.3, 0.5, 0.2, 0.0][: len(train.datasets)])
+    stream = stream.skipped(600, 664).reweighted(1100, [0.5, 0.5, 0.0, 0.0][: len(train.datasets)])
+    origin = train.where([1700])[0]
+    stream = stream.quarantined_from(1200, [(origin.prefix, origin.pieces[0].document)])
+    assert stream.quarantined.size and stream.skips
+    for position in (0, 479, 480, 600, 601, 1000, 1100, 1300, stream.num_samples):
+        assert np.array_equal(stream.samples_reached(position),
+                              count_samples(position, stream.locate, len(train.datasets))), position

@@ -107,8 +107,18 @@ class SampleStream:
         return self.source.read_samples(dataset_ids, sample_ids), dataset_ids
 
     def samples_reached(self, position: int) -> np.ndarray:
-        """(num_datasets,) int64: samples each dataset served in logical positions ``[0, position)``."""
-        return count_samples(position, self.locate, len(self.source.datasets))
+        """(num_datasets,) int64: samples each dataset served in logical positions ``[0, position)``:
+        the underlying stream's count (closed form on a stateless schedule) less the positions
+        taken out before there."""
+        if self.schedule is None:
+            return count_samples(position, self.locate, len(self.source.datasets))
+        end = int(self.underlying(np.array([position]))[0]) if position < self.num_samples else self.underlying_samples
+        counts = self.changes.reached(end)
+        for a, b in self.skipped_between(0, end):  # taken out: as long as the skips, not the run
+            for begin in range(a, b, 1 << 20):
+                dataset_ids, _ = self.changes.locate(np.arange(begin, min(b, begin + (1 << 20)), dtype=np.int64))
+                counts -= np.bincount(dataset_ids, minlength=counts.shape[0])
+        return counts
 
     def target_weights(self, position: int) -> tuple[float, ...]:
         """Weights in force at logical ``position``."""
