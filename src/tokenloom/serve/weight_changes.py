@@ -193,9 +193,16 @@ class WeightChanges:
     def _source_reached(self, position: int) -> np.ndarray:
         """(num_datasets,) int64: samples of each dataset the *source* serves in ``[0, position)``:
         closed form where the split's locator is its schedule (stateless), else one counting pass."""
+        num_datasets = len(self.source.datasets)
         if self.schedule is not None and getattr(self.source, "locator", None) is self.schedule:
             return self.schedule.samples_reached(position)
-        return count_samples(position, self.source.locate, len(self.source.datasets))
+        dataset_index = getattr(self.source, "dataset_index", None)  # exact mode: count the array itself
+        if isinstance(dataset_index, np.ndarray):
+            counts = np.zeros(num_datasets, dtype=np.int64)
+            for begin in range(0, position, _COUNT_CHUNK):
+                counts += np.bincount(dataset_index[begin:min(position, begin + _COUNT_CHUNK)], minlength=num_datasets)
+            return counts
+        return count_samples(position, self.source.locate, num_datasets)
 
     # -- changes --------------------------------------------------------------------------------
     def changed(self, start: int, weights) -> WeightChanges:
