@@ -66,6 +66,7 @@ def test_headroom_sizes_every_store_by_the_schedules_need_and_half_again(built):
         need = {p: int(buffers[union.index(p)]) for p in train.prefixes}
     for prefix, key in zip(train.prefixes, train.dataset_keys):
         assert result.plan.item(key).params["num_samples"] == math.ceil(need[prefix] * 1.5)
+    assert "headroom 0.5: each store's index holds 1.5 x its total" in config.describe_schedule()
 
 
 def test_a_change_replaces_the_phase_to_its_end_and_later_phases_follow_as_declared(built):

@@ -426,7 +426,13 @@ class BuildConfig:
         :func:`tokenloom.builder.schedule.format_schedule`); ``samples_per_epoch`` by store adds
         each store's epochs."""
         union, plan, _ = self._schedule_parts()
-        return format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
+        text = format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
+        if self.headroom:
+            cap = "" if self.max_epochs is None else ", never past max_epochs"
+            buffer = " (exact mode: megatron-core's buffer over it)" if self.mode == "exact" else ""
+            text += (f"\n  headroom {self.headroom:g}: each store's index holds {1 + self.headroom:g} x its total"
+                     f"{buffer}{cap}: room for weight changes at run time")
+        return text
 
     def check_max_epochs(self, samples_per_epoch: Mapping[str, int]) -> None:
         """ConfigError naming the store and the phase where the train split needs more samples
