@@ -65,8 +65,7 @@ class SampleStream:
     def logical(self, underlying: int) -> int:
         """The logical position of underlying position ``underlying`` (of the first served
         position at or after it, when it is taken out)."""
-        taken = sum(b - a for a, b in self.skipped_between(0, int(underlying)))
-        return int(underlying) - taken
+        return int(self._logical_of(int(underlying)))
 
     def skipped_between(self, begin: int, end: int) -> list[tuple[int, int]]:
         """The taken-out underlying ranges inside ``[begin, end)`` (merged, clipped)."""
@@ -129,6 +128,7 @@ class SampleStream:
         return self._logical_of(end) - self._logical_of(begin)
 
     def _logical_of(self, underlying):
+        """:meth:`logical` of an array of underlying positions (each less the gaps before it)."""
         u = np.asarray(underlying, dtype=np.int64)
         if not self._gap_begins.shape[0]:
             return u
