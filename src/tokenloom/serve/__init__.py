@@ -6,7 +6,8 @@ cuts it into steps and micro-batches, :class:`Topology` says which rank reads wh
 :class:`RankLoader` yields numpy micro-batches with megatron-core's fields, as
 :class:`SampleOptions` asks. One batch pipeline, :class:`BatchPipeline`, turns ``(dataset_id,
 sample_id)`` pairs into those fields for every loader, and their shapes and dtypes
-(:func:`field_schema`) are derived from it. :class:`MixtureAudit` logs what each step served.
+(:func:`field_schema`) are derived from it. :class:`MixtureAudit` logs what each step served;
+:class:`OnlineMixing` moves the weights with the loss the training loop reports.
 
 The framework adapters are modules of their own, imported by name: ``tokenloom.serve.torch_adapter``
 (PyTorch), ``tokenloom.serve.jax_adapter`` (JAX) and ``tokenloom.serve.grain_adapter`` (grain). They
@@ -20,6 +21,7 @@ from tokenloom.serve.audit import MixtureAudit, batch_fingerprint, read_audit_lo
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader
+from tokenloom.serve.online import ExponentiatedGradient, OnlineMixing
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.topology import LoadMode, Topology
 
@@ -58,9 +60,11 @@ __all__ = [
     "BatchGeometry",
     "BatchPipeline",
     "BatchSizeSchedule",
+    "ExponentiatedGradient",
     "FieldSpec",
     "LoadMode",
     "MixtureAudit",
+    "OnlineMixing",
     "RankLoader",
     "SampleOptions",
     "Topology",

@@ -26,6 +26,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.batch import BatchPipeline, check_eod
 from tokenloom.serve.geometry import BatchGeometry
+from tokenloom.serve.online import OnlineMixing
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
@@ -55,7 +56,7 @@ class RankSchedule:
 
     def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, topology: Topology, rank: int,
                  *, options: SampleOptions, mode: LoadMode | str, max_steps: int | None,
-                 audit: MixtureAudit | None) -> None:
+                 audit: MixtureAudit | None, mixing: OnlineMixing | None = None) -> None:
         if topology.dp != geometry.dp:
             raise ConfigError(f"the topology has dp={topology.dp} but the batch geometry dp={geometry.dp}; "
                               "expected the same data-parallel size")
@@ -68,6 +69,10 @@ class RankSchedule:
         check_eod(self.sampler.source, options)
         self.audit = audit
         """A :class:`~tokenloom.serve.audit.MixtureAudit` (give it to one rank) logs every step."""
+        self.mixing = mixing
+        """:class:`~tokenloom.serve.online.OnlineMixing`: weights that follow the reported loss."""
+        if mixing is not None:
+            mixing.attach(self.sampler)
 
     def _micro_batch(self, positions: np.ndarray):
         """This rank's micro-batch at ``positions`` (``(micro,)`` int64 global positions), called
@@ -91,7 +96,17 @@ class RankSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-free state; identical on every rank."""
-        return self.sampler.state_dict()
+        state = self.sampler.state_dict()
+        if self.mixing is not None:
+            state["online_mixing"] = self.mixing.state_dict()
+        return state
+
+    def report(self, tokens, loss_sums) -> None:
+        """After every optimizer step, on every rank: each dataset's tokens and summed loss in the
+        step, all-reduced over data-parallel ranks (:class:`~tokenloom.serve.online.OnlineMixing`)."""
+        if self.mixing is None:
+            raise ConfigError("report() feeds online mixing; this loader has none (give mixing=OnlineMixing(...))")
+        self.mixing.report(self.sampler, tokens, loss_sums)
 
     def skip_steps(self, first: int, stop: int) -> None:
         """Never serve the samples of steps ``[first, stop)``; later steps get the samples that
@@ -106,7 +121,14 @@ class RankSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (on any layout, between steps); when an audit log is attached, the next step's
         fingerprint is checked against it."""
+        mixed = state.get("online_mixing") if isinstance(state, dict) else None
+        if (mixed is None) != (self.mixing is None):
+            raise ConfigError("the serving state was saved " + ("with" if mixed is not None else "without")
+                              + " online mixing and this loader has " + ("none" if self.mixing is None else "it")
+                              + "; resume with the mixing the run started with")
         self.sampler.load_state_dict(state)
+        if self.mixing is not None:
+            self.mixing.load_state_dict(mixed)
         if self.audit is not None:
             self.audit.check_resume(self.sampler)
 
@@ -119,9 +141,9 @@ class RankLoader(RankSchedule):
     def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *,
                  topology: Topology | None = None, rank: int = 0, options: SampleOptions = SampleOptions(),
                  mode: LoadMode | str = LoadMode.BROADCAST, max_steps: int | None = None,
-                 audit: MixtureAudit | None = None) -> None:
+                 audit: MixtureAudit | None = None, mixing: OnlineMixing | None = None) -> None:
         super().__init__(source, geometry, topology or Topology(dp=geometry.dp), rank, options=options, mode=mode,
-                         max_steps=max_steps, audit=audit)
+                         max_steps=max_steps, audit=audit, mixing=mixing)
         self.pipeline = BatchPipeline(self.sampler.source, options=options, fields=self.plan.fields,
                                       cp_size=self.topology.cp, cp_rank=self.plan.coordinates.cp_rank)
         """Reads this rank's fields (its stage's, its context-parallel chunks)."""

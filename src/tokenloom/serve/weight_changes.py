@@ -153,7 +153,12 @@ class WeightChanges:
         k = self.change_holding(position)
         if k is not None:
             return self.segments[k].weights
-        if self.schedule is not None:  # the phase's weights (exact mode's few samples past the end: the last's)
+        return self.declared_at(position)  # exact mode's few samples past the schedule's end: the last phase's
+
+    def declared_at(self, position: int) -> tuple[float, ...]:
+        """The weights the build declared at ``position``: the schedule's phase (a ramp's step) or
+        the blend's, whatever changed them at run time."""
+        if self.schedule is not None:
             return self.schedule.target_weights(min(position, self.schedule.plan.num_samples - 1))
         return tuple(d.weight for d in self.source.datasets)
 
