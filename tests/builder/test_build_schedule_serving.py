@@ -301,3 +301,20 @@ def test_samples_reached_counts_the_served_positions_after_changes_skips_and_qua
     for position in (0, 479, 480, 600, 601, 1000, 1100, 1300, stream.num_samples):
         assert np.array_equal(stream.samples_reached(position),
                               count_samples(position, stream.locate, len(train.datasets))), position
+
+
+def test_a_series_of_changes_equals_the_stream_made_from_its_segments_at_once(built):
+    """Each change takes over the work of the changes before it (their blends, shifts and room
+    checks); the stream made from the same segments in one go serves the same samples."""
+    _, _, result = built
+    train = result.split("train")
+    rng = np.random.default_rng(11)
+    stream = SampleStream(train)
+    for position in range(48, ENDS[-1] - 16, 48):  # 39 changes, three phases, one a ramp
+        weights = np.asarray(stream.changes.declared_at(position)) * (1 + 0.1 * rng.random(len(train.datasets)))
+        stream = stream.reweighted(position, weights)
+    again = SampleStream(train, stream.segments)
+    positions = np.arange(stream.num_samples, dtype=np.int64)
+    for a, b in zip(stream.locate(positions), again.locate(positions)):
+        assert np.array_equal(a, b)
+    _check_numbering(stream)

@@ -29,9 +29,15 @@ class SampleStream:
 
     def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = (), *,
                  skips: tuple[tuple[int, int], ...] = (), quarantine: tuple[tuple[str, int], ...] = (),
-                 quarantined: np.ndarray | None = None) -> None:
+                 quarantined: np.ndarray | None = None, changes: WeightChanges | None = None) -> None:
+        """``changes``: the underlying stream already made for ``segments`` (or sharing their
+        leading segments), whose work is then taken over."""
         self.source = source
-        self.changes = WeightChanges(source, tuple(segments))
+        segments = tuple(segments)
+        if changes is None or len(changes.segments) != len(segments) or \
+                any(a is not b for a, b in zip(changes.segments, segments)):
+            changes = WeightChanges(source, segments, reuse=changes)
+        self.changes = changes
         """The underlying stream: the source and its weight changes."""
         self.underlying_samples = self.changes.num_samples
         """Positions of the underlying stream (the source and its segments): fewer than the
@@ -204,7 +210,7 @@ class SampleStream:
         fields = {"segments": self.segments, "skips": self.skips, "quarantine": self.quarantine,
                   "quarantined": self.quarantined}
         fields.update(changes)
-        return SampleStream(self.source, fields.pop("segments"), **fields)
+        return SampleStream(self.source, fields.pop("segments"), changes=self.changes, **fields)
 
     # -- weight changes -------------------------------------------------------------------------
     def reweighted(self, position: int, weights) -> SampleStream:
@@ -216,7 +222,7 @@ class SampleStream:
         start = int(self.underlying(np.array([position]))[0])
         changes = self.changes.changed(start, weights)
         stream = SampleStream(self.source, changes.segments, skips=self.skips, quarantine=self.quarantine,
-                              quarantined=self.quarantined[self.quarantined < start])
+                              quarantined=self.quarantined[self.quarantined < start], changes=changes)
         if not self.quarantine:
             return stream
         return stream._with(quarantined=np.concatenate([stream.quarantined, stream._holding(self.quarantine, start)]))

@@ -77,7 +77,11 @@ class WeightChanges:
     """The underlying stream: a source and the segments that changed its weights (see the
     module's docstring). Positions here are *underlying* ones."""
 
-    def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = ()) -> None:
+    def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = (), *,
+                 reuse: WeightChanges | None = None) -> None:
+        """``reuse``: changes of the same source whose leading segments these share (the same
+        objects): their blends, shifts and room checks are taken over, not redone, so a series
+        of changes costs O(datasets) each, not O(changes x datasets)."""
         self.source = source
         self.segments = tuple(segments)
         self.schedule = getattr(source, "schedule", None)
@@ -97,8 +101,16 @@ class WeightChanges:
         self._ends = np.append(self._starts[1:], source.num_samples)  # where each segment stops serving
         self._phase_ends = self._ends
         self._shifts = np.zeros((len(self.segments), num_datasets), dtype=np.int64)
+        shared = 0  # leading segments taken over from `reuse`
+        if reuse is not None and reuse.source is source:
+            while shared < min(len(reuse.segments), len(self.segments)) and \
+                    reuse.segments[shared] is self.segments[shared]:
+                shared += 1
+            self._blends = {k: blend for k, blend in reuse._blends.items() if k < shared}
+            # the last shared segment may end elsewhere now (a later change came or went)
+            self._shifts[:max(shared - 1, 0)] = reuse._shifts[:max(shared - 1, 0)]
         if self.segments and self.schedule is not None:
-            self._plan_phase_segments()
+            self._plan_phase_segments(first=max(shared - 1, 0))
         elif self.segments:
             self.num_samples = self._usable_length()
 
@@ -223,10 +235,11 @@ class WeightChanges:
         # every dataset continues after its samples before `start`, served or taken out
         segment = BlendSegment(start=start, weights=tuple((w / w.sum()).tolist()),
                                dataset_offsets=tuple(int(o) for o in self.reached(start)))
-        return WeightChanges(self.source, (*kept, segment))
+        return WeightChanges(self.source, (*kept, segment), reuse=self)
 
-    def _plan_phase_segments(self) -> None:
-        """Segment ends, shifts and room on a mixture schedule (see the module's docstring)."""
+    def _plan_phase_segments(self, first: int = 0) -> None:
+        """Segment ends, and the shifts and room of segments ``first`` on, on a mixture schedule
+        (see the module's docstring; those before ``first`` were taken over, unchanged)."""
         total = self.source.num_samples  # exact mode: megatron-core sizes the last phase a little past its end
         boundaries = np.asarray(self.schedule.plan.boundaries, dtype=np.int64)
         boundaries[-1] = max(int(boundaries[-1]), total)
@@ -238,7 +251,8 @@ class WeightChanges:
         self._ends = np.minimum(self._phase_ends, self._ends)
         room = np.array([d.num_samples for d in self.source.datasets], dtype=np.int64)
         names = [d.name for d in self.source.datasets]
-        for k, segment in enumerate(self.segments):
+        for k in range(first, len(self.segments)):
+            segment = self.segments[k]
             end = int(self._ends[k])
             reached = self._segment_reached(k, end)  # by the segment's end (a later change may cut it short)
             # up to the next segment (or the run's end) the source serves, numbered on by the shift
