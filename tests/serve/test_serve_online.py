@@ -164,3 +164,23 @@ def test_a_decision_beyond_a_stores_room_is_refused_naming_it(built, tmp_path):
                                           r"would have it serve \d+ samples by the end of phase \d, more than the "
                                           r"\d+ its index"):
         _run(loader, 40)
+
+
+def test_distributed_batches_with_dataloader_workers_serve_the_rank_loaders_decisions(split):
+    """DistributedBatches reads ahead through DataLoader workers; a decision restarts them after
+    what they read, so every micro-batch is the one RankLoader serves with the same reports."""
+    pytest.importorskip("torch")
+    from tokenloom.serve.torch_adapter import DistributedBatches
+
+    geometry = BatchGeometry(global_batch_size=G, micro_batch_size=4, dp=2)
+    expected_loader = RankLoader(split, geometry, topology=Topology(dp=2), rank=1, mixing=_mixing(4))
+    batches = DistributedBatches(split, geometry, Topology(dp=2), 1, num_workers=1, mixing=_mixing(4))
+    for step in range(20):
+        for _ in range(2):
+            want, got = expected_loader.next_batch(), batches.next_batch()
+            assert np.array_equal(got["dataset_id"].numpy(), want["dataset_id"]), step
+            assert np.array_equal(got["tokens"].numpy(), want["tokens"]), step
+        tokens = np.full(4, 64.0)
+        loss = tokens * (LOSS + 0.01 * step)
+        assert expected_loader.report(tokens, loss) == batches.report(tokens, loss)
+    assert batches.mixing.history == expected_loader.mixing.history and len(batches.mixing.history) == 5

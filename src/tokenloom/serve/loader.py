@@ -101,12 +101,13 @@ class RankSchedule:
             state["online_mixing"] = self.mixing.state_dict()
         return state
 
-    def report(self, tokens, loss_sums) -> None:
+    def report(self, tokens, loss_sums) -> bool:
         """After every optimizer step, on every rank: each dataset's tokens and summed loss in the
-        step, all-reduced over data-parallel ranks (:class:`~tokenloom.serve.online.OnlineMixing`)."""
+        step, all-reduced over data-parallel ranks (:class:`~tokenloom.serve.online.OnlineMixing`).
+        True when it changed the weights of a later step."""
         if self.mixing is None:
             raise ConfigError("report() feeds online mixing; this loader has none (give mixing=OnlineMixing(...))")
-        self.mixing.report(self.sampler, tokens, loss_sums)
+        return self.mixing.report(self.sampler, tokens, loss_sums)
 
     def skip_steps(self, first: int, stop: int) -> None:
         """Never serve the samples of steps ``[first, stop)``; later steps get the samples that

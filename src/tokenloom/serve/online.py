@@ -133,9 +133,10 @@ class OnlineMixing:
         """Steps reported so far (the next report is of step ``_reported``)."""
 
     # -- the loop -------------------------------------------------------------------------------
-    def report(self, sampler, tokens, loss_sums) -> None:
+    def report(self, sampler, tokens, loss_sums) -> bool:
         """Record step ``sampler.step - 1``'s statistics; every ``every`` steps, decide the
-        weights of step ``sampler.step - 1 + lag`` and change ``sampler``'s stream there."""
+        weights of step ``sampler.step - 1 + lag`` and change ``sampler``'s stream there. True
+        when the stream changed (a loader that reads ahead starts again from its state)."""
         num_datasets = len(sampler.source.datasets)
         if sampler.micro_batch:
             raise ConfigError(f"report after a whole step: {sampler.micro_batch} micro-batches of step "
@@ -150,17 +151,16 @@ class OnlineMixing:
         self._tokens += tokens
         self._loss_sums += loss_sums
         self._reported += 1
-        if self._reported % self.every == 0:
-            self._decide(sampler)
+        return self._reported % self.every == 0 and self._decide(sampler)
 
-    def _decide(self, sampler) -> None:
+    def _decide(self, sampler) -> bool:
         step = sampler.step - 1 + self.lag  # the first step the new weights serve
         position = sampler.step_start
         for _ in range(sampler.step, step):
             position += sampler.size_at(position)
         if position >= sampler.stream.num_samples:
             self._tokens[:], self._loss_sums[:] = 0.0, 0.0
-            return  # the run ends before the weights would take effect
+            return False  # the run ends before the weights would take effect
         declared = np.asarray(sampler.stream.changes.declared_at(position), dtype=np.float64)
         factors = np.asarray(self.controller.decide(step, self._tokens, self._loss_sums), dtype=np.float64)
         if factors.shape != declared.shape or not np.all(np.isfinite(factors)) or (factors < 0).any():
@@ -177,6 +177,7 @@ class OnlineMixing:
         sampler.stream = stream
         self.history.append((step, tuple(float(w) for w in weights)))
         self._tokens[:], self._loss_sums[:] = 0.0, 0.0
+        return True
 
     def bounded(self, proposed: np.ndarray, *, support: np.ndarray) -> np.ndarray:
         """``proposed`` on ``support`` (the datasets in use there), normalised, each at least

@@ -32,6 +32,7 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema, finish_micro_batch
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankSchedule
+from tokenloom.serve.online import OnlineMixing
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
@@ -269,9 +270,9 @@ class DistributedBatches(RankSchedule):
                  options: SampleOptions = SampleOptions(), mode: LoadMode | str = LoadMode.BROADCAST,
                  tp_group=None, num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None,
                  max_steps: int | None = None, device: str | torch.device = "cpu",
-                 audit: MixtureAudit | None = None) -> None:
+                 audit: MixtureAudit | None = None, mixing: OnlineMixing | None = None) -> None:
         super().__init__(source, geometry, topology, rank, options=options, mode=mode, max_steps=max_steps,
-                         audit=audit)
+                         audit=audit, mixing=mixing)
         self.source, self.geometry = source, geometry
         self.tp_group = tp_group
         self.device = torch.device(device)
@@ -334,6 +335,14 @@ class DistributedBatches(RankSchedule):
         """Resume (on any layout, between steps); the DataLoader restarts from there."""
         self._iterator = None
         super().load_state_dict(state)
+
+    def report(self, tokens, loss_sums) -> bool:
+        """As :meth:`RankSchedule.report`; when the weights change, the DataLoader restarts after
+        what it read ahead (its workers read the old stream)."""
+        changed = super().report(tokens, loss_sums)
+        if changed:
+            self._iterator = None
+        return changed
 
     def skip_steps(self, first: int, stop: int) -> None:
         """As :meth:`RankSchedule.skip_steps`; the DataLoader restarts after what it read ahead."""
