@@ -36,11 +36,20 @@ masked too.
 Rank 0 prints a line every ``--log-interval`` steps (step, loss, tokens per second, and the share
 of the time spent waiting for data) and a summary at the end; ``--quiet`` prints neither.
 
+``--online-mixing LR:EVERY:LAG`` lets the blend weights follow the loss (tokenloom.serve.online):
+after every step each rank sums its loss and loss-masked tokens per dataset (by the micro-batch's
+``dataset_id``), one all-reduce of that ``(2, datasets)`` tensor gives every rank the same
+numbers, and ``batches.report`` hands them to DoReMi's exponentiated-gradient update, which every
+EVERY steps scales the build's weights, effective LAG steps later. The decisions and the update's
+state are part of the loader's state, so a resume on any number of ranks serves the same weights.
+``--min-weight`` keeps every dataset of the blend at least that share.
+
 ``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (0-based, as
 tokenloom's serving state, audit log and ``tokenloom where --step`` count),
 ``loss``, ``tokens`` (of the global batch), ``batch_fingerprint`` (of the global batch's samples,
 the same for every number of ranks: tokenloom.serve.batch_fingerprint), ``lr``, ``step_s``,
-``data_wait_s`` (time this rank waited for its micro-batches), ``dp``.
+``data_wait_s`` (time this rank waited for its micro-batches), ``dp``, ``weights`` (the blend
+weights the step was served with).
 """
 
 from __future__ import annotations
@@ -62,7 +71,14 @@ from torch.nn.parallel import DistributedDataParallel
 import tokenloom
 from tokenloom import ConfigError
 from tokenloom.io import IndexedDataset
-from tokenloom.serve import BatchGeometry, SampleOptions, Topology, batch_fingerprint
+from tokenloom.serve import (
+    BatchGeometry,
+    ExponentiatedGradient,
+    OnlineMixing,
+    SampleOptions,
+    Topology,
+    batch_fingerprint,
+)
 from tokenloom.serve.torch_adapter import DistributedBatches
 
 CHECKPOINT_FORMAT = "tokenloom-example-gpt-checkpoint"
@@ -203,6 +219,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="never train on the samples steps A..B-1 would get (0-based, not yet trained; after a loss "
                         "spike, resume from a checkpoint before it); later steps take the samples that follow. "
                         "Kept in the checkpoint. Repeatable")
+    p.add_argument("--online-mixing", metavar="LR:EVERY:LAG",
+                   help="blend weights that follow each dataset's loss: DoReMi's exponentiated gradient with "
+                        "learning rate LR, a decision every EVERY steps taking effect LAG steps later. Kept in the "
+                        "checkpoint")
+    p.add_argument("--min-weight", type=float, default=0.0, help="with --online-mixing: the least share of a dataset")
     p.add_argument("--quarantine", action="append", default=[], metavar="PREFIX:DOC",
                    help="never train on a sample holding a piece of document DOC of store PREFIX from now on; kept "
                         "in the checkpoint. Repeatable")
@@ -303,6 +324,19 @@ def load_checkpoint(path: str, *, build_key: str, config: dict) -> dict:
     return state
 
 
+def online_mixing(args, num_datasets: int) -> OnlineMixing | None:
+    """``--online-mixing LR:EVERY:LAG`` as tokenloom's OnlineMixing, or None."""
+    if args.online_mixing is None:
+        return None
+    try:
+        rate, every, lag = args.online_mixing.split(":")
+        rate, every, lag = float(rate), int(every), int(lag)
+    except ValueError:
+        raise ConfigError(f"--online-mixing {args.online_mixing!r}; expected LR:EVERY:LAG such as 0.5:10:2") from None
+    return OnlineMixing(ExponentiatedGradient(num_datasets, learning_rate=rate), every=every, lag=lag,
+                        min_weight=args.min_weight)
+
+
 def steer(batches, args) -> None:
     """Apply ``--skip-steps`` and ``--quarantine`` (every rank alike; they join the loader's state)."""
     for text in args.skip_steps:
@@ -342,9 +376,10 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
     geometry = BatchGeometry(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                              dp=world)
     accumulation = geometry.num_micro_batches_for(args.global_batch_size)
+    mixing = online_mixing(args, len(split.datasets))
     batches = DistributedBatches(split, geometry, Topology(dp=world), rank, mode="every_rank",
                                  num_workers=args.num_workers, device=device, max_steps=args.steps,
-                                 options=sample_options(args))
+                                 options=sample_options(args), mixing=mixing)
 
     # 2. the model, identical on every rank (DDP also broadcasts rank 0's at the start)
     config = model_config(args, vocab_size_of(split, args.vocab_size), split.seq_length)
@@ -400,6 +435,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                 dataset_ids, sample_ids = sampler.stream.locate(sampler.global_batch_positions())
                 fingerprint = batch_fingerprint(split.build_key, dataset_ids, sample_ids)
             tokens = sampler.global_batch_size * split.seq_length
+            weights = sampler.stream.target_weights(sampler.step_start)  # this step's blend weights
             wait = time.perf_counter()
             micro_batches = [batches.next_batch() for _ in range(accumulation)]
             wait = time.perf_counter() - wait
@@ -411,6 +447,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             total = torch.zeros((), dtype=torch.float64, device=device)
+            by_dataset = torch.zeros((2, len(split.datasets)), dtype=torch.float64, device=device)  # tokens, loss
             for m, batch in enumerate(micro_batches):
                 if crash == (step, m):
                     print(f"pretrain_gpt: {CRASH_ENV}: exiting inside step {step}", file=sys.stderr, flush=True)
@@ -423,12 +460,21 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
                     summed = (losses * batch["loss_mask"].flatten().float()).sum()
                     (summed * (world / counts.float())).backward()  # DDP averages over ranks: undo it
                 total += summed.detach().double()
+                if mixing is not None:  # each dataset's loss-masked tokens and loss, by sample
+                    mask = batch["loss_mask"].double()
+                    ids = batch["dataset_id"].long().to(device)
+                    by_dataset[0].index_add_(0, ids, mask.sum(dim=1))
+                    by_dataset[1].index_add_(0, ids, (losses.detach().double().view_as(mask) * mask).sum(dim=1))
             if args.clip_grad > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if world > 1:
                 dist.all_reduce(total)
+                if mixing is not None:
+                    dist.all_reduce(by_dataset)
+            if mixing is not None:  # every rank the same numbers: the same decisions
+                batches.report(by_dataset[0].cpu().numpy(), by_dataset[1].cpu().numpy())
             step += 1
             loss = float(total / counts)
             if not math.isfinite(loss):
@@ -443,7 +489,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             if metrics is not None:
                 record = {"step": step - 1, "loss": loss, "tokens": tokens,
                           "batch_fingerprint": fingerprint, "lr": lr, "step_s": time.perf_counter() - started,
-                          "data_wait_s": wait, "dp": world}
+                          "data_wait_s": wait, "dp": world, "weights": [round(w, 9) for w in weights]}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
         progress.summary()

@@ -234,3 +234,50 @@ def test_a_run_with_the_document_mask_trains_and_resumes_only_with_it(builds, tm
     result = train(build, tmp_path / "ckpt", ranks=1, steps=6, resume=True, expect=1)
     assert "trained with --document-mask; resume it the same way" in result.stderr
     train(build, tmp_path / "ckpt", ranks=1, steps=6, resume=True, extra=["--document-mask"])
+
+
+@pytest.fixture(scope="module")
+def mixed_build(tmp_path_factory):
+    """Standard-library code and a store of random characters (a domain no model gets below
+    ln(90) nats a byte), blended half and half, with room for the weights to move."""
+    import random
+
+    from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+
+    directory = tmp_path_factory.mktemp("mixed")
+    library = os.path.dirname(os.__file__)
+    code = [os.path.join(library, f) for f in sorted(os.listdir(library)) if f.endswith(".py")][:80]
+    rng, alphabet = random.Random(5), [chr(c) for c in range(33, 123)]
+    (directory / "noise").mkdir()
+    noise = []
+    for k in range(80):
+        path = directory / "noise" / f"{k}.txt"
+        path.write_text("".join(rng.choice(alphabet) for _ in range(3000)))
+        noise.append(str(path))
+    stores = [tokenize_to_store(files, str(directory / name), TokenizeConfig(tokenizer="bytes", workers=1,
+                                                                             skip_bad=True)).prefix
+              for name, files in (("code", code), ("noise", noise))]
+    config = {"blend": ["0.5", stores[0], "0.5", stores[1]], "split": "100,0,0", "seq_length": SEQ, "seed": 3,
+              "train_samples": 8 * 30 * GLOBAL, "valid_samples": 0, "test_samples": 0,
+              "cache": str(directory / "cache"), "timeout_s": 120}
+    path = directory / "mixed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_online_mixing_moves_weight_to_the_harder_domain_and_resumes_on_another_number_of_ranks(mixed_build,
+                                                                                             tmp_path):
+    mixing = ["--online-mixing", "1.0:5:2", "--min-weight", "0.05"]
+    whole = tmp_path / "whole.jsonl"
+    train(mixed_build, tmp_path / "a", ranks=2, steps=30, metrics=whole, extra=mixing)
+    reference = _metrics(whole)
+    noise = [m["weights"][1] for m in reference]
+    assert noise[:6] == [0.5] * 6 and noise[6] != 0.5  # the first decision (after step 4) serves from step 6 on
+    decided = noise[6::5]
+    assert decided == sorted(decided) and decided[-1] > 0.6, noise  # up at every decision
+    metrics = tmp_path / "resumed.jsonl"
+    train(mixed_build, tmp_path / "b", ranks=2, steps=13, metrics=metrics, extra=mixing)
+    train(mixed_build, tmp_path / "b", ranks=1, steps=30, resume=True, metrics=metrics, extra=mixing)
+    resumed = _metrics(metrics)
+    assert [m["weights"] for m in resumed] == [m["weights"] for m in reference]
+    _same_run(resumed, reference)

@@ -46,6 +46,19 @@ def _vector(name: str, value, size: int, *, non_negative: bool) -> np.ndarray:
     return array
 
 
+SIGNIFICANT_DIGITS = 6
+"""Reported loss sums are rounded to this many significant digits before a controller sees them:
+data-parallel ranks sum in another order on another layout, and a resumed run must decide the
+same weights from sums that differ in their last bits."""
+
+
+def _significant(values: np.ndarray, digits: int) -> np.ndarray:
+    """``values`` rounded to ``digits`` significant digits (zeros stay zeros)."""
+    scale = np.where(values == 0, 1.0, 10.0 ** (digits - 1 - np.floor(np.log10(np.abs(np.where(values == 0, 1.0,
+                                                                                                  values))))))
+    return np.round(values * scale) / scale
+
+
 class MixingController(Protocol):
     """Turns one window of per-dataset statistics into the next weights: multiplicative factors
     over the weights the build declared where they take effect (a schedule's phase, a ramp's step,
@@ -110,6 +123,21 @@ class ExponentiatedGradient:
         self.log_weights = _vector("log_weights", state["log_weights"], self.num_datasets, non_negative=False)
 
 
+def _run_end(sampler) -> int:
+    """The samples the run serves in all: up to ``max_steps`` steps, or the whole stream."""
+    end = sampler.stream.num_samples
+    if sampler.max_steps is None or sampler.step >= sampler.max_steps:
+        return end if sampler.max_steps is None else sampler.step_start
+    if sampler.geometry.schedule is None:  # steps of one size: no walk
+        return min(end, sampler.step_start + (sampler.max_steps - sampler.step) * sampler.geometry.global_batch_size)
+    position = sampler.step_start
+    for _ in range(sampler.step, sampler.max_steps):
+        position += sampler.size_at(position)
+        if position >= end:
+            return end
+    return position
+
+
 class OnlineMixing:
     """Reports in, weight changes out (see the module's docstring). Attach it to a loader
     (``RankLoader(..., mixing=OnlineMixing(...))``), which calls :meth:`attach`; then call
@@ -145,7 +173,7 @@ class OnlineMixing:
             raise ConfigError(f"report of step {sampler.step - 1}, but the last step reported is {self._reported - 1}; "
                               "expected one report after every optimizer step, in order")
         tokens = _vector("tokens", tokens, num_datasets, non_negative=True)
-        loss_sums = _vector("loss_sums", loss_sums, num_datasets, non_negative=False)
+        loss_sums = _significant(_vector("loss_sums", loss_sums, num_datasets, non_negative=False), SIGNIFICANT_DIGITS)
         if self._tokens is None:
             self._tokens, self._loss_sums = np.zeros(num_datasets), np.zeros(num_datasets)
         self._tokens += tokens
@@ -167,13 +195,13 @@ class OnlineMixing:
             raise ConfigError(f"the controller gave factors {factors.tolist()}; expected {declared.shape[0]} finite "
                               "non-negative numbers")
         weights = self.bounded(declared * factors, support=declared > 0)
-        before = sampler.stream.num_samples
         stream = sampler.stream.reweighted(position, weights)
-        if stream.num_samples < before:
+        needed = _run_end(sampler)
+        if stream.num_samples < needed:
             raise ConfigError(
                 f"online mixing: the weights {np.round(weights, 6).tolist()} from step {step} (sample {position}) "
-                f"would end the stream at sample {stream.num_samples} of {before}: some dataset's index runs out; "
-                "build with more samples per dataset (a schedule: headroom), or lower min_weight")
+                f"would end the stream at sample {stream.num_samples}, before the run's {needed}: some dataset's "
+                "index runs out; build with more samples per dataset (a schedule: headroom), or lower min_weight")
         sampler.stream = stream
         self.history.append((step, tuple(float(w) for w in weights)))
         self._tokens[:], self._loss_sums[:] = 0.0, 0.0
