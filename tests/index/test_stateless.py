@@ -10,68 +10,24 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from index_fixtures import ArrayReader, numbered_documents
+from index_fixtures import (
+    ArrayReader,
+    megatron_pieces,
+    numbered_documents,
+    pieces_of,
+    reference_document_order,
+    reference_pieces,
+)
 from tokenloom.errors import ConfigError
-from tokenloom.index.feistel import BACKENDS, FeistelPermutation
+from tokenloom.index.feistel import BACKENDS
 from tokenloom.index.megatron_gpt import build_sample_index, megatron_gpt_sample
-from tokenloom.index.stateless import StatelessGPTIndex, build_stateless_gpt_index
+from tokenloom.index.stateless import build_stateless_gpt_index
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BACKEND_NAMES = sorted(BACKENDS)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def reference_document_order(index: StatelessGPTIndex) -> np.ndarray:
-    """Every epoch's documents in order, from the FORMAT.md definition (not the index's kernels)."""
-    ids = (np.arange(index.num_documents) + index.first_document_id if index.document_ids is None
-           else np.asarray(index.document_ids))
-    order = []
-    for epoch in range(index.plan.num_epochs):
-        perm = FeistelPermutation.from_seed(index.num_documents, seed=index.seed, purpose="documents",
-                                            epoch=epoch, backend="numpy")
-        order.extend(ids[perm(np.arange(index.num_documents))].tolist())
-    return np.array(order, dtype=np.int64)
-
-
-def reference_pieces(lengths, order, seq_length, extra, num_samples):
-    """The slow packer: spell out the token stream, cut windows, group them into document runs.
-
-    Returns, per packed sample, the list of (position, document, offset, length) runs it reads.
-    """
-    stream = [(position, document, offset) for position, document in enumerate(order.tolist())
-              for offset in range(int(lengths[document]))]
-    samples = []
-    for k in range(num_samples):
-        window = stream[k * seq_length:(k + 1) * seq_length + extra]
-        assert len(window) == seq_length + extra
-        runs = []
-        for position, document, offset in window:
-            if runs and runs[-1][0] == position:
-                runs[-1][3] += 1
-            else:
-                runs.append([position, document, offset, 1])
-        samples.append([tuple(run) for run in runs])
-    return samples
-
-
-def pieces_of(spans, k, keep_empty=True):
-    lo, hi = spans.bounds[k], spans.bounds[k + 1]
-    rows = zip(spans.positions[lo:hi].tolist(), spans.document_ids[lo:hi].tolist(),
-               spans.offsets[lo:hi].tolist(), spans.lengths[lo:hi].tolist())
-    return [row for row in rows if keep_empty or row[3] > 0]
-
-
-def megatron_pieces(document_index, sample_index, k, extra):
-    """The pieces megatron-core's GPTDataset reads for packed sample k, from its arrays."""
-    (begin, begin_offset), (end, end_offset) = sample_index[k].tolist(), sample_index[k + 1].tolist()
-    pieces = []
-    for position in range(begin, end + 1):
-        offset = begin_offset if position == begin else 0
-        stop = end_offset + extra if position == end else None
-        pieces.append((position, int(document_index[position]), offset, stop))
-    return pieces
 
 
 @st.composite

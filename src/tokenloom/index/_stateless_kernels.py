@@ -131,14 +131,17 @@ def _last_block_before(starts, q):
 
 
 @jit(cache=True, nogil=True)
-def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous,
+def _spans_pass1_numba(samples, seq_length, extra, first_token, starts, lengths, ids, first_id, contiguous,
                        n, block_size, bits, epoch_keys, out_begin, out_end):
     """Begin and end (position, offset) of each packed sample, as build_sample_idx records.
 
-    The block holding the begin row is found by an interpolated search; its documents are
-    walked from whichever end of the block is nearer (8 positions permuted at a time, so
-    their lookups overlap); one cursor then walks on from the begin document to the one
-    holding the end row, across blocks and epochs when it must.
+    Packed sample ``k`` starts at stream token ``t = first_token + k * seq_length``
+    (``first_token`` is 0 but for a length run): its begin row is ``(0, 0)`` for ``t = 0``, else
+    the position ``j`` with ``C_j < t + extra <= C_{j+1}`` and offset ``t - C_j``; its end row is
+    the same rule at ``t + seq_length``. The block holding the begin row is found by an
+    interpolated search; its documents are walked from whichever end of the block is nearer (8
+    positions permuted at a time, so their lookups overlap); one cursor then walks on from the
+    begin document to the one holding the end row, across blocks and epochs when it must.
     """
     num_blocks = (n + block_size - 1) // block_size
     batch = 8
@@ -147,13 +150,14 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
     perm = np.empty(batch, dtype=np.int64)
     for s in range(samples.shape[0]):
         k = samples[s]
-        if k == 0:
+        t = first_token + k * seq_length  # the stream token the sample starts at
+        if t == 0:
             epoch = np.int64(0)
             p = np.int64(0)
             cum = np.int64(0)
             q = np.int64(0)
         else:
-            q = k * seq_length + extra
+            q = t + extra
             beta = _last_block_before(starts, q)
             epoch = beta // num_blocks
             p = (beta - epoch * num_blocks) * block_size
@@ -176,8 +180,8 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
                     top = low
         filled = 0  # documents of perm[] computed, for positions p - idx ...
         idx = 0
-        found_begin = k == 0
-        q_end = (k + 1) * seq_length + extra
+        found_begin = t == 0
+        q_end = t + seq_length + extra
         while True:
             if idx == filled:  # permute the next batch of positions of this epoch
                 count = min(batch, n - p)
@@ -188,7 +192,7 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
             if not found_begin and cum + length >= q:
                 found_begin = True
                 out_begin[s, 0] = epoch * n + p
-                out_begin[s, 1] = k * seq_length - cum
+                out_begin[s, 1] = t - cum
             if found_begin and cum + length >= q_end:
                 break
             cum += length
@@ -199,11 +203,11 @@ def _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_i
                 p = 0
                 filled = 0
                 idx = 0
-        if k == 0:
+        if t == 0:
             out_begin[s, 0] = 0
             out_begin[s, 1] = 0
         out_end[s, 0] = epoch * n + p
-        out_end[s, 1] = (k + 1) * seq_length - cum
+        out_end[s, 1] = t + seq_length - cum
 
 
 @jit(cache=True, nogil=True)
@@ -302,15 +306,15 @@ def _shuffle_two_parts_numba(ids, split_at, bits_low, keys_low, size_high, bits_
 
 
 @jit(cache=True, nogil=True)
-def _spans_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous, n, block_size, bits,
-                 epoch_keys):
+def _spans_numba(samples, seq_length, extra, first_token, starts, lengths, ids, first_id, contiguous, n,
+                 block_size, bits, epoch_keys):
     """Both passes in one call (a handful of samples per call is the serving case, where the
     calls' overhead outweighs the work): ``(bounds, document ids, offsets, lengths, positions)``."""
     m = samples.shape[0]
     begin = np.empty((m, 2), dtype=np.int64)
     end = np.empty((m, 2), dtype=np.int64)
-    _spans_pass1_numba(samples, seq_length, extra, starts, lengths, ids, first_id, contiguous, n, block_size,
-                       bits, epoch_keys, begin, end)
+    _spans_pass1_numba(samples, seq_length, extra, first_token, starts, lengths, ids, first_id, contiguous, n,
+                       block_size, bits, epoch_keys, begin, end)
     bounds = np.zeros(m + 1, dtype=np.int64)
     for s in range(m):  # pieces per sample, summed
         bounds[s + 1] = bounds[s] + end[s, 0] - begin[s, 0] + 1

@@ -184,6 +184,49 @@ def plan_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, *,
     )
 
 
+def plan_run_epochs(num_tokens_per_epoch: int, num_documents: int, *, first_token: int, num_samples: int,
+                    seq_length: int, add_extra_token: bool = True) -> EpochPlan:
+    """The epochs of a *length run* (:mod:`tokenloom.index.length_runs`): ``num_samples`` samples
+    cut by concatenation from a dataset's document stream from stream token ``first_token`` on,
+    sample ``k`` holding tokens ``[first_token + k * seq_length, first_token + (k + 1) * seq_length
+    + extra)``. Not a megatron-core request, so none of :func:`plan_epochs`' rounding applies:
+
+    * ``num_samples_in_index`` is ``num_samples`` exactly (the tokens after the run's last sample
+      are the next run's, not more samples of this one);
+    * ``num_epochs`` is the fewest whose tokens reach ``first_token + num_samples * seq_length +
+      extra``, the last sample's last token (at least 1); epochs before the one holding
+      ``first_token`` are counted too, so positions stay global (``epoch * num_documents + p``);
+    * a run's samples are shuffled as one part: ``separate_final_epoch`` is False,
+      ``num_samples_sans_final_epoch`` 0 and ``num_samples_from_final_epoch`` all of them, as in
+      a one-epoch plan.
+
+    ``drop_last_partial`` is True: every sample of a run is whole.
+    """
+    first_token = check_int("first_token", first_token, minimum=0, maximum=(1 << 63) - 1,
+                            expected="a stream token in [0, 2**63): where the run's first sample starts")
+    seq_length = check_int("seq_length", seq_length, minimum=1, expected="a positive integer number of tokens")
+    num_samples = check_int("num_samples", num_samples, minimum=0,
+                            expected="a non-negative integer: a length run holds exactly the samples asked for")
+    num_tokens_per_epoch = check_int("num_tokens_per_epoch", num_tokens_per_epoch, minimum=1,
+                                     expected="a positive integer (a stream of no tokens holds no run)")
+    extra = int(bool(add_extra_token))
+    reach = first_token + num_samples * seq_length + extra  # tokens of the stream the last sample reads
+    return EpochPlan(
+        seq_length=seq_length,
+        add_extra_token=bool(add_extra_token),
+        num_samples_requested=num_samples,
+        num_documents=int(num_documents),
+        num_tokens_per_epoch=num_tokens_per_epoch,
+        num_epochs=max(1, -(-reach // num_tokens_per_epoch)),
+        num_samples_per_epoch=max(0, (num_tokens_per_epoch - extra) // seq_length),
+        num_samples_sans_final_epoch=0,
+        num_samples_from_final_epoch=num_samples,
+        separate_final_epoch=False,
+        drop_last_partial=True,
+        num_samples_in_index=num_samples,
+    )
+
+
 __all__ = [
     "FINAL_EPOCH_THRESHOLD",
     "EpochPlan",
@@ -191,4 +234,5 @@ __all__ = [
     "num_epochs_for",
     "num_samples_in_index",
     "plan_epochs",
+    "plan_run_epochs",
 ]

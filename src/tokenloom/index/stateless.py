@@ -20,6 +20,14 @@ tokens plus the shared extra label token, packed across documents, over the epoc
   position ``j``), found by a search over the blocks and a walk of at most ``block_size``
   documents (from the nearer end of the block), evaluating ``P_e`` on the way. Sample 0
   starts at ``(0, 0)``.
+* Length runs (``first_token``; :mod:`tokenloom.index.length_runs`): when a mixture schedule
+  changes a dataset's ``seq_length``, each run of one length is cut from the same document
+  stream (same ``P_e``, same global positions) from stream token ``T`` on: packed sample ``k``
+  holds stream tokens ``[T + k * seq_length, T + (k + 1) * seq_length + extra)``, its begin row
+  found by the rule above at token ``T + k * seq_length`` (``(0, 0)`` only at token 0). A run
+  holds exactly the samples asked for, over the epochs its last sample reaches
+  (:func:`tokenloom.index.epochs.plan_run_epochs`), shuffled as one part by a permutation of
+  its own purpose, ``"samples.run"``, with ``T`` in the key's epoch slot.
 
 Kernels come in two backends with identical results (:data:`BACKENDS`): numba
 (:mod:`tokenloom.index._stateless_kernels`, compiled on first use) and numpy (where numba is not
@@ -50,11 +58,17 @@ from tokenloom.index._stateless_kernels import (
     _spans_numba,
     _spans_pass1_numba,
 )
-from tokenloom.index.epochs import EpochPlan, plan_epochs
+from tokenloom.index.epochs import EpochPlan, plan_epochs, plan_run_epochs
 from tokenloom.index.feistel import MAX_SIZE, FeistelPermutation, default_rounds, derive_round_keys, feistel_bits
 from tokenloom.index.kernels import compiled, import_numba, numba_available, resolve_backend
-from tokenloom.index.megatron_gpt import GPTIndices, TokenReader, build_sample_index, shuffle_index_dtype
-from tokenloom.validate import check_positive_int, is_integer
+from tokenloom.index.megatron_gpt import (
+    GPTIndices,
+    TokenReader,
+    build_sample_index,
+    sample_index_dtype,
+    shuffle_index_dtype,
+)
+from tokenloom.validate import check_int, check_positive_int, is_integer
 
 __all__ = [
     "BACKENDS",
@@ -70,6 +84,8 @@ DEFAULT_BLOCK_SIZE = 16
 DOCUMENT_PURPOSE = "documents"
 SAMPLE_PURPOSE = "samples"
 FINAL_SAMPLE_PURPOSE = "samples.final"
+#: Purpose of a length run's sample shuffle (keyed with the run's first token as its epoch).
+RUN_SAMPLE_PURPOSE = "samples.run"
 _CHUNK_POSITIONS = 1 << 16  # positions per chunk of the numpy build
 
 
@@ -125,6 +141,13 @@ class StatelessGPTIndex:
     """(num_epochs * num_blocks + 1,) int64: global token where each block starts; last = all tokens."""
     document_keys: np.ndarray
     """(num_epochs, rounds) uint64: round keys of each epoch's document permutation."""
+    first_token: int | None = None
+    """None: the index of a whole request, megatron-core's samples (sample ``k`` holds stream
+    tokens ``[k * seq_length, (k + 1) * seq_length + extra)``, ``plan_epochs``' count and
+    final-epoch rule). An int ``T``: a *length run* from stream token ``T`` (sample ``k`` holds
+    ``[T + k * seq_length, T + (k + 1) * seq_length + extra)``; exactly the samples asked for,
+    shuffled as one part by the ``"samples.run"`` permutation keyed with ``T``), whose ``plan`` is
+    :func:`~tokenloom.index.epochs.plan_run_epochs`'."""
 
     # -------------------------------------------------------------- sizes
 
@@ -169,8 +192,20 @@ class StatelessGPTIndex:
     def _sample_parts(self) -> list[tuple[int, FeistelPermutation]]:
         """(start, permutation) of each independently shuffled range of sample ids.
 
-        Derived once per index: deriving round keys hashes the seed, far costlier than a lookup."""
+        Derived once per index: deriving round keys hashes the seed, far costlier than a lookup.
+
+        A length run is one part, keyed ``(seed, "samples.run", epoch=T, size=n)``. Never
+        ``"samples"``: a permutation is named by its key alone, so a run would be served in
+        exactly the order of a whole-request index of the same seed and sample count (say the
+        dataset's index in a build without the schedule), two shuffles of one dataset moving in
+        lockstep; ``T`` in the key's epoch slot (which a sample shuffle otherwise leaves 0) keeps
+        two runs of one count apart the same way. Never megatron-core's two parts either: a run
+        ends where the next begins, not at an epoch's end, so it has no "short final epoch"."""
         total = self.num_samples
+        if self.first_token is not None:
+            return [(0, FeistelPermutation.from_seed(total, seed=self.seed, purpose=RUN_SAMPLE_PURPOSE,
+                                                     epoch=self.first_token, rounds=self.rounds,
+                                                     backend=self.backend))] if total else []
         split_at = self.plan.num_samples_sans_final_epoch if self.plan.separate_final_epoch else total
         parts = []
         for start, stop, purpose in ((0, split_at, SAMPLE_PURPOSE), (split_at, total, FINAL_SAMPLE_PURPOSE)):
@@ -221,6 +256,9 @@ class StatelessGPTIndex:
         """Begin and end ``(position, offset)`` rows of packed samples (no shuffle applied).
 
         Row ``k`` of megatron-core's ``sample_index`` and row ``k + 1``: each ``(m, 2)`` int64.
+        Packed sample ``k`` starts at stream token ``t = T + k * seq_length`` (``T``:
+        ``first_token``, or 0): its row is ``(0, 0)`` at ``t = 0``, else ``(j, t - C_j)`` with
+        ``C_j < t + extra <= C_{j+1}`` (``C_j``: tokens before global position ``j``).
         """
         ids = self._check_sample_ids(packed_ids)
         return BACKENDS[self.backend].bounds(self, ids)
@@ -236,7 +274,8 @@ class StatelessGPTIndex:
         the inverse of :meth:`spans`, without a scan. Per epoch, the inverse document permutation
         gives the document's position, the block prefix sums its first token, the token range the
         packed samples over it, and the inverse sample shuffle their ids. Empty when the split does
-        not hold the document or it has no tokens."""
+        not hold the document or it has no tokens. A length run skips the epochs that end before
+        its first token."""
         if self.document_ids is None:
             local = int(document) - self.first_document_id
             if not 0 <= local < self.num_documents:
@@ -251,14 +290,16 @@ class StatelessGPTIndex:
             return np.zeros(0, dtype=np.int64)
         seq_length, extra = self.plan.seq_length, int(self.plan.add_extra_token)
         n, block_size = self.num_documents, self.block_size
+        first_token = self.first_token or 0  # packed sample k holds [T + k S, T + (k + 1) S + extra)
         packed = []
-        for epoch in range(self.plan.num_epochs):
+        for epoch in range(first_token // self.plan.num_tokens_per_epoch, self.plan.num_epochs):
             offset = int(self.document_permutation(epoch).inverse(np.array([local], dtype=np.int64))[0])
             first = (offset // block_size) * block_size
             before = np.arange(epoch * n + first, epoch * n + offset, dtype=np.int64)
             t0 = int(self.block_token_starts[epoch * self.num_blocks_per_epoch + offset // block_size])
             if before.shape[0]:
                 t0 += int(self._document_lengths(self.documents_at(before)).sum())
+            t0 -= first_token  # the document's first token, counted from the run's
             low = max(0, (t0 - extra) // seq_length)  # (k + 1) S + extra > t0
             high = min(self.num_samples - 1, (t0 + length - 1) // seq_length)  # k S < t0 + length
             if high >= low:
@@ -301,7 +342,11 @@ class StatelessGPTIndex:
         """Megatron-shaped ``document_index``, ``sample_index``, ``shuffle_index`` (O(samples) memory).
 
         ``sample_index`` is the walk of the shared Megatron kernel over this index's document
-        order; the tests check it against :meth:`sample_bounds` and megatron-core itself.
+        order; the tests check it against :meth:`sample_bounds` and megatron-core itself. For a
+        length run, ``document_index`` holds every epoch from the first (positions stay global)
+        through the last the run reaches, and ``sample_index`` is found by a search per row over
+        the running token count (row 0 at the row of token ``first_token``); megatron-core's
+        ``GPTDataset`` reads the run's samples from these arrays as from its own.
         """
         n = self.num_documents
         document_index = np.empty(self.plan.num_epochs * n, dtype=np.int64)
@@ -312,11 +357,30 @@ class StatelessGPTIndex:
                 chosen + self.first_document_id if self.document_ids is None else self.document_ids[chosen])
         if document_index.size == 0 or int(document_index.max()) <= np.iinfo(np.int32).max:
             document_index = document_index.astype(np.int32)
-        sample_index = build_sample_index(self.sequence_lengths, document_index, self.plan)
+        if self.first_token is None:
+            sample_index = build_sample_index(self.sequence_lengths, document_index, self.plan)
+        else:
+            sample_index = _run_sample_index(self.sequence_lengths, document_index, self.plan, self.first_token)
         shuffle_index = self.shuffle(np.arange(self.num_samples, dtype=np.int64))
         shuffle_index = shuffle_index.astype(shuffle_index_dtype(self.num_samples))
         return GPTIndices(document_index=document_index, sample_index=sample_index,
                           shuffle_index=shuffle_index, plan=self.plan, seed=self.seed)
+
+
+def _run_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, plan: EpochPlan,
+                      first_token: int) -> np.ndarray:
+    """The ``(n + 1, 2)`` sample index of a length run from stream token ``first_token``: row
+    ``k`` at token ``t = first_token + k * seq_length`` is ``(0, 0)`` at ``t = 0``, else ``(j, t -
+    C_j)`` with ``C_j < t + extra <= C_{j+1}``. A search per row over the running token count
+    (another route than the lookups' walk, which the tests hold it to)."""
+    ends = np.cumsum(sequence_lengths[document_index], dtype=np.int64)  # (positions,) C_{j+1}
+    # tokens: (n + 1,) int64, the stream token each row is at
+    tokens = first_token + plan.seq_length * np.arange(plan.num_samples_in_index + 1, dtype=np.int64)
+    # rows: (n + 1,) the first j with C_{j+1} >= t + extra (so C_j < t + extra)
+    rows = np.searchsorted(ends, tokens + int(plan.add_extra_token), side="left")
+    sample_index = np.stack([rows, tokens - (ends[rows] - sequence_lengths[document_index[rows]])], axis=1)
+    sample_index[tokens == 0] = 0  # the stream's first row, as megatron-core's sample 0
+    return sample_index.astype(sample_index_dtype(document_index.shape[0]))
 
 
 # ----------------------------------------------------------------------------- backends
@@ -327,8 +391,8 @@ def _bounds_numba(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
     end = np.empty((len(packed), 2), dtype=np.int64)
     lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
     compiled(_spans_pass1_numba)(packed, index.plan.seq_length, int(index.plan.add_extra_token),
-                                 index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size,
-                                 bits, keys, begin, end)
+                                 index.first_token or 0, index.block_token_starts, lengths, ids, first_id,
+                                 contiguous, n, block_size, bits, keys, begin, end)
     return begin, end
 
 
@@ -344,8 +408,8 @@ def _spans_two_pass_numba(index: StatelessGPTIndex, packed: np.ndarray) -> Sampl
     pieces during the walk, whose stores keep the compiler from holding the walk in registers."""
     lengths, ids, first_id, contiguous, n, block_size, bits, keys = index._kernel_args
     bounds, docs, offsets, pieces, positions = compiled(_spans_numba)(
-        packed, index.plan.seq_length, int(index.plan.add_extra_token), index.block_token_starts, lengths, ids,
-        first_id, contiguous, n, block_size, bits, keys)
+        packed, index.plan.seq_length, int(index.plan.add_extra_token), index.first_token or 0,
+        index.block_token_starts, lengths, ids, first_id, contiguous, n, block_size, bits, keys)
     return SampleSpans(bounds=bounds, document_ids=docs, offsets=offsets, lengths=pieces, positions=positions)
 
 
@@ -395,8 +459,9 @@ def _bounds_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
     m = len(packed)
     begin = np.zeros((m, 2), dtype=np.int64)
     cum = np.zeros(m, dtype=np.int64)  # tokens before each sample's begin position
-    later = packed > 0
-    q = packed[later] * seq_length + extra
+    tokens = (index.first_token or 0) + packed * seq_length  # (m,) stream token each sample starts at
+    later = tokens > 0  # the sample at token 0 begins at (0, 0)
+    q = tokens[later] + extra
     beta = np.searchsorted(index.block_token_starts, q, side="left") - 1  # (m',) block
     epochs = beta // num_blocks
     first = (beta - epochs * num_blocks) * block_size  # (m',) first position of the block
@@ -411,10 +476,10 @@ def _bounds_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
     rows = np.arange(len(q))
     begin[later, 0] = epochs * n + first + hit
     cum[later] = ends[rows, hit] - lengths[rows, hit]
-    begin[:, 1] = packed * seq_length - cum
+    begin[:, 1] = tokens - cum
     # forward walk to the end boundary, all samples in lockstep
     position = begin[:, 0].copy()
-    q_end = (packed + 1) * seq_length + extra
+    q_end = tokens + seq_length + extra
     active = np.arange(m)
     while len(active):
         length = index._document_lengths(_docs_at_numpy(index, position[active]))
@@ -423,7 +488,7 @@ def _bounds_numpy(index: StatelessGPTIndex, packed: np.ndarray) -> tuple[np.ndar
         cum[moving] += length[~done]
         position[moving] += 1
         active = moving
-    end = np.stack([position, (packed + 1) * seq_length - cum], axis=1)
+    end = np.stack([position, tokens + seq_length - cum], axis=1)
     return begin, end
 
 
@@ -491,7 +556,7 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
                               num_samples: int | None, seq_length: int, seed: int,
                               add_extra_token: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
                               rounds: int | None = None, backend: str = "auto",
-                              threads: int = 1) -> StatelessGPTIndex:
+                              threads: int = 1, first_token: int | None = None) -> StatelessGPTIndex:
     """Build the stateless index of one split: O(documents * epochs) work, O(that / block_size) memory.
 
     ``sequence_lengths``: every document length of the token store (any integer dtype; not
@@ -503,6 +568,15 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     thread count): one per epoch while there are at least as many epochs (each streams its
     documents, the cheaper order), else all of them on each epoch's positions in turn. Every
     thread count gives the same arrays.
+
+    ``first_token``: None (the default) builds the index of a whole request, megatron-core's
+    samples from stream token 0 (epochs and count from :func:`~tokenloom.index.epochs.plan_epochs`).
+    An int ``T >= 0`` builds one *length run* of a mixture schedule
+    (:mod:`tokenloom.index.length_runs`): the same document stream (same seed, same ``P_e``),
+    cut from stream token ``T``, exactly ``num_samples`` samples (an int, required), over the
+    epochs the last one reaches (:func:`~tokenloom.index.epochs.plan_run_epochs`), shuffled as
+    one part (``"samples.run"``). ``T = 0`` is a run too: a dataset's first run, whose samples
+    are ``[0, n)`` only, where a whole request's index would shuffle all its epochs' samples.
     """
     lengths = np.asarray(sequence_lengths)
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
@@ -516,6 +590,13 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     if not is_integer(seed) or not 0 <= seed < (1 << 64):
         raise ConfigError(f"seed={seed!r}; expected an integer in [0, 2**64)")
     check_positive_int("threads", threads)
+    if first_token is not None:
+        first_token = check_int("first_token", first_token, minimum=0, maximum=(1 << 63) - 1,
+                                expected="a stream token in [0, 2**63) where the length run starts, or None "
+                                         "for the index of a whole request")
+        if num_samples is None:
+            raise ConfigError(f"num_samples=None with first_token={first_token}; expected a number of samples: "
+                              "a length run holds exactly the samples asked for")
     backend = resolve_backend(backend, BACKENDS, fallback="numpy")
     if document_ids is None:
         ids, first_id = None, 0
@@ -537,11 +618,15 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     if num_tokens == 0:
         raise ConfigError(f"the split's {num_documents} documents hold no tokens; expected a split with "
                           "tokens (check the split and that the token store is not empty)")
-    # plan_epochs gathers sequence_lengths[document_ids] (an n-element copy); its rules depend
-    # only on the token count, so it sees one document holding every token, then the real count.
-    plan = plan_epochs(np.array([num_tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
-                       num_samples=num_samples, seq_length=seq_length, add_extra_token=add_extra_token)
-    plan = dataclasses.replace(plan, num_documents=num_documents)
+    if first_token is None:
+        # plan_epochs gathers sequence_lengths[document_ids] (an n-element copy); its rules depend
+        # only on the token count, so it sees one document holding every token, then the real count.
+        plan = plan_epochs(np.array([num_tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
+                           num_samples=num_samples, seq_length=seq_length, add_extra_token=add_extra_token)
+        plan = dataclasses.replace(plan, num_documents=num_documents)
+    else:
+        plan = plan_run_epochs(num_tokens, num_documents, first_token=first_token, num_samples=num_samples,
+                               seq_length=seq_length, add_extra_token=add_extra_token)
     document_rounds = default_rounds(num_documents) if rounds is None else rounds
     keys = np.array([derive_round_keys(seed=int(seed), purpose=DOCUMENT_PURPOSE, epoch=e, size=num_documents,
                                        rounds=document_rounds) for e in range(plan.num_epochs)], dtype=np.uint64)
@@ -575,4 +660,5 @@ def build_stateless_gpt_index(sequence_lengths: np.ndarray, document_ids: np.nda
     np.cumsum(starts, out=starts)
     return StatelessGPTIndex(plan=plan, seed=int(seed), block_size=int(block_size), rounds=rounds,
                              backend=backend, sequence_lengths=lengths, document_ids=ids,
-                             first_document_id=first_id, block_token_starts=starts, document_keys=keys)
+                             first_document_id=first_id, block_token_starts=starts, document_keys=keys,
+                             first_token=first_token)
