@@ -184,3 +184,27 @@ def test_distributed_batches_with_dataloader_workers_serve_the_rank_loaders_deci
         loss = tokens * (LOSS + 0.01 * step)
         assert expected_loader.report(tokens, loss) == batches.report(tokens, loss)
     assert batches.mixing.history == expected_loader.mixing.history and len(batches.mixing.history) == 5
+
+
+def test_a_change_on_a_stateless_blend_counts_what_came_before_in_closed_form(tmp_path):
+    """A series of decisions must not pass over the stream each time: the counts a change
+    continues from come from the blend's closed form (its seeded windows: whole ones from the
+    unseeded order, the partial one located) and equal a count of the positions served."""
+    from tokenloom.index.blend import Blend
+    from tokenloom.serve.stream import SampleStream
+    from tokenloom.serve.weight_changes import _blend_prefix_counts, count_samples
+
+    prefixes = write_corpus(tmp_path, 3, seed=9, num_documents=60)
+    config = {"blend": ["0.5", prefixes[0], "0.3", prefixes[1], "0.2", prefixes[2]], "split": "100,0,0",
+              "seq_length": SEQ, "train_samples": 3000, "valid_samples": 0, "test_samples": 0, "seed": 4,
+              "mode": "stateless", "cache_dir": str(tmp_path / "c"), "timeout_s": 60.0}
+    train = tokenloom.build(config).split("train")
+    assert train.blend is not None
+    stream = SampleStream(train)
+    for position in (0, 1, 17, 64, 999, 2048):
+        offsets = stream.reweighted(position, [0.2, 0.3, 0.5]).segments[-1].dataset_offsets
+        assert list(offsets) == count_samples(position, train.locate, 3).tolist(), position
+    seeded = Blend(np.array([0.5, 0.3, 0.2]), 3000, seed=4, window=64)  # windows shuffled
+    located, _ = seeded.lookup(np.arange(3000, dtype=np.int64))
+    for position in (0, 1, 63, 64, 65, 999, 3000):
+        assert np.array_equal(_blend_prefix_counts(seeded, position), np.bincount(located[:position], minlength=3))

@@ -191,10 +191,10 @@ class WeightChanges:
 
     # -- counts ---------------------------------------------------------------------------------
     def reached(self, position: int) -> np.ndarray:
-        """(num_datasets,) int64: samples of each dataset in positions ``[0, position)``; on a
-        schedule from the segments' counts and the source's closed form, no pass over them."""
-        if self.schedule is None:
-            return count_samples(position, self.locate, len(self.source.datasets))
+        """(num_datasets,) int64: samples of each dataset in positions ``[0, position)``: from the
+        segment holding it (its offsets and its blend's closed-form prefix count), or from the
+        source (closed form where it has one, its array in exact mode, else one pass), so a series
+        of changes costs no pass over the stream each."""
         k = int(np.searchsorted(self._starts, position, side="right")) - 1
         if k < 0:
             return self._source_reached(position)
@@ -213,6 +213,9 @@ class WeightChanges:
         num_datasets = len(self.source.datasets)
         if self.schedule is not None and getattr(self.source, "locator", None) is self.schedule:
             return self.schedule.samples_reached(position)
+        blend = getattr(self.source, "blend", None)  # a stateless single blend: its closed-form prefix count
+        if isinstance(blend, Blend) and position <= len(blend):
+            return _blend_prefix_counts(blend, position)
         dataset_index = getattr(self.source, "dataset_index", None)  # exact mode: count the array itself
         if isinstance(dataset_index, np.ndarray):
             counts = np.zeros(num_datasets, dtype=np.int64)
@@ -278,6 +281,20 @@ class WeightChanges:
             if segment.start + len(blend) < self._ends[k]:
                 return segment.start + len(blend)
         return self.source.num_samples
+
+
+def _blend_prefix_counts(blend: Blend, position: int) -> np.ndarray:
+    """``(D,)`` samples of each dataset among a blend's first ``position`` positions, closed form: a
+    seeded blend permutes within windows only, so its whole windows count as the unseeded order's
+    (:meth:`Blend.samples_before`) and only the partial window is located."""
+    ids = np.arange(blend.num_datasets, dtype=np.int64)
+    whole = position if blend.seed is None else position - position % blend.window
+    plain = blend if blend.seed is None else Blend(blend.weights, len(blend))
+    counts = plain.samples_before(ids, np.full(ids.shape, whole, dtype=np.int64))
+    if whole < position:
+        located, _ = blend.lookup(np.arange(whole, position, dtype=np.int64))
+        counts += np.bincount(located, minlength=blend.num_datasets)
+    return counts
 
 
 def segment_length(weights, room: np.ndarray, limit: int) -> int:
