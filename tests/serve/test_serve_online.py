@@ -122,10 +122,10 @@ def test_bad_settings_and_reports_are_config_errors_naming_the_value(split):
     with pytest.raises(ConfigError, match=r"min_weight=1.5; expected a fraction in \[0, 1\)"):
         _mixing(n, min_weight=1.5)
     loader = _loader(split, dp=1, micro=4)
-    with pytest.raises(ConfigError, match=r"report of step -1, but the last step reported is -1; expected one report"):
+    with pytest.raises(ConfigError, match=r"report: no step is served yet; expected one report after every"):
         loader.report(np.ones(n), np.ones(n))
     _run(loader, 1)
-    with pytest.raises(ConfigError, match=r"report of step 0, but the last step reported is 0"):
+    with pytest.raises(ConfigError, match=r"report: step 0 is reported already"):
         loader.report(np.ones(n), np.ones(n))
     loader.next_batch()
     with pytest.raises(ConfigError, match=r"report after a whole step: 1 micro-batches of step 1 are served"):
@@ -152,18 +152,30 @@ def test_bad_settings_and_reports_are_config_errors_naming_the_value(split):
         other.load_state_dict(loader.state_dict())
 
 
-def test_a_decision_beyond_a_stores_room_is_refused_naming_it(built, tmp_path):
+def test_a_decision_beyond_a_stores_room_is_refused_naming_it_and_changes_nothing(built, tmp_path):
     """The controller's weights are checked against what the build sized each store for (without
     headroom: the schedule's counts, up to the end of the epoch they fall in): a controller that
-    drives the harder store's weight up fast runs it out, and the decision is refused."""
+    drives the harder store's weight up fast runs it out, the decision is refused, and the
+    controller, the history and the stream stay as they were before that report."""
     config, _ = built
     tight = tokenloom.build({**config, "headroom": 0.0, "cache_dir": str(tmp_path / "c")}).split("train")
     loader = RankLoader(tight, BatchGeometry(global_batch_size=G, micro_batch_size=16, dp=1),
                         mixing=_mixing(len(tight.datasets), learning_rate=5.0))
-    with pytest.raises(ConfigError, match=r"dataset \d \('.*'\): the weight change at position \d+ \(phase 1\) "
-                                          r"would have it serve \d+ samples by the end of phase \d, more than the "
-                                          r"\d+ its index"):
-        _run(loader, 40)
+    for step in range(40):
+        datasets, _ = loader.stream.locate(loader.sampler.global_batch_positions())
+        loader.next_batch()
+        tokens = np.bincount(datasets, minlength=len(LOSS)).astype(np.float64) * SEQ
+        controller, history, segments = (loader.mixing.controller.state_dict(), list(loader.mixing.history),
+                                         loader.stream.segments)
+        try:
+            loader.report(tokens, tokens * LOSS)
+        except ConfigError as exc:
+            assert "its index holds" in str(exc) and "(phase 1)" in str(exc), exc
+            assert loader.mixing.controller.state_dict() == controller and loader.mixing.history == history
+            assert loader.stream.segments == segments
+            break
+    else:
+        pytest.fail("no decision was refused")
 
 
 def test_distributed_batches_with_dataloader_workers_serve_the_rank_loaders_decisions(split):

@@ -169,9 +169,12 @@ class OnlineMixing:
         if sampler.micro_batch:
             raise ConfigError(f"report after a whole step: {sampler.micro_batch} micro-batches of step "
                               f"{sampler.step} are served")
-        if sampler.step != self._reported + 1:
-            raise ConfigError(f"report of step {sampler.step - 1}, but the last step reported is {self._reported - 1}; "
-                              "expected one report after every optimizer step, in order")
+        if sampler.step <= self._reported:
+            what = "no step is served yet" if sampler.step == 0 else f"step {sampler.step - 1} is reported already"
+            raise ConfigError(f"report: {what}; expected one report after every optimizer step")
+        if sampler.step > self._reported + 1:
+            raise ConfigError(f"report of step {sampler.step - 1}, but steps {self._reported} to {sampler.step - 2} "
+                              "were not reported; expected one report after every optimizer step, in order")
         tokens = _vector("tokens", tokens, num_datasets, non_negative=True)
         loss_sums = _significant(_vector("loss_sums", loss_sums, num_datasets, non_negative=False), SIGNIFICANT_DIGITS)
         if self._tokens is None:
@@ -190,18 +193,23 @@ class OnlineMixing:
             self._tokens[:], self._loss_sums[:] = 0.0, 0.0
             return False  # the run ends before the weights would take effect
         declared = np.asarray(sampler.stream.changes.declared_at(position), dtype=np.float64)
-        factors = np.asarray(self.controller.decide(step, self._tokens, self._loss_sums), dtype=np.float64)
-        if factors.shape != declared.shape or not np.all(np.isfinite(factors)) or (factors < 0).any():
-            raise ConfigError(f"the controller gave factors {factors.tolist()}; expected {declared.shape[0]} finite "
-                              "non-negative numbers")
-        weights = self.bounded(declared * factors, support=declared > 0)
-        stream = sampler.stream.reweighted(position, weights)
-        needed = _run_end(sampler)
-        if stream.num_samples < needed:
-            raise ConfigError(
-                f"online mixing: the weights {np.round(weights, 6).tolist()} from step {step} (sample {position}) "
-                f"would end the stream at sample {stream.num_samples}, before the run's {needed}: some dataset's "
-                "index runs out; build with more samples per dataset (a schedule: headroom), or lower min_weight")
+        before = self.controller.state_dict()  # a refused decision leaves the controller as it was
+        try:
+            factors = np.asarray(self.controller.decide(step, self._tokens, self._loss_sums), dtype=np.float64)
+            if factors.shape != declared.shape or not np.all(np.isfinite(factors)) or (factors < 0).any():
+                raise ConfigError(f"the controller gave factors {factors.tolist()}; expected {declared.shape[0]} "
+                                  "finite non-negative numbers")
+            weights = self.bounded(declared * factors, support=declared > 0)
+            stream = sampler.stream.reweighted(position, weights)
+            needed = _run_end(sampler)
+            if stream.num_samples < needed:
+                raise ConfigError(
+                    f"online mixing: the weights {np.round(weights, 6).tolist()} from step {step} (sample {position}) "
+                    f"would end the stream at sample {stream.num_samples}, before the run's {needed}: some dataset's "
+                    "index runs out; build with more samples per dataset (a schedule: headroom), or lower min_weight")
+        except ConfigError:
+            self.controller.load_state_dict(before)
+            raise
         sampler.stream = stream
         self.history.append((step, tuple(float(w) for w in weights)))
         self._tokens[:], self._loss_sums[:] = 0.0, 0.0
