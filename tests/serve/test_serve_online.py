@@ -161,7 +161,7 @@ def test_a_decision_beyond_a_stores_room_is_refused_naming_it_and_changes_nothin
     tight = tokenloom.build({**config, "headroom": 0.0, "cache_dir": str(tmp_path / "c")}).split("train")
     loader = RankLoader(tight, BatchGeometry(global_batch_size=G, micro_batch_size=16, dp=1),
                         mixing=_mixing(len(tight.datasets), learning_rate=5.0))
-    for step in range(40):
+    for _ in range(40):
         datasets, _ = loader.stream.locate(loader.sampler.global_batch_positions())
         loader.next_batch()
         tokens = np.bincount(datasets, minlength=len(LOSS)).astype(np.float64) * SEQ
