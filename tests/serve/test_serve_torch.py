@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import tokenloom
 from serve_fixtures import write_corpus
 from tokenloom.errors import ConfigError
 from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, SampleOptions, Topology, read_audit_log
@@ -93,8 +94,17 @@ def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
     on every rank)."""
     out = tmp_path / "out"
     out.mkdir()
-    config = {"prefixes": [d.name for d in source.datasets], "weights": [0.6, 0.4], "num_samples": 400,
-              "seq_length": 16, "seed": 9, "out": str(out)}
+    prefixes = [d.name for d in source.datasets]
+    # a schedule whose second phase doubles the sequence length: both stores change length
+    length_runs = {"phases": [{"blend": ["1", prefixes[0], "1", prefixes[1]], "until": {"steps": 2}},
+                              {"blend": ["1", prefixes[0], "3", prefixes[1]], "until": {"steps": 4},
+                               "seq_length": 32}],
+                   "split": "100,0,0", "seq_length": 16, "global_batch_size": 4, "valid_samples": 0,
+                   "test_samples": 0, "seed": 9, "mode": "stateless", "cache_dir": str(tmp_path / "cache"),
+                   "rng_workers": 0, "timeout_s": 60.0}
+    runs = tokenloom.build(length_runs).split("train")
+    config = {"prefixes": prefixes, "weights": [0.6, 0.4], "num_samples": 400,
+              "seq_length": 16, "seed": 9, "out": str(out), "length_runs": length_runs}
     (tmp_path / "config.json").write_text(json.dumps(config))
     worker = os.path.join(os.path.dirname(__file__), "torchrun_serve_worker.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
@@ -110,12 +120,16 @@ def test_torchrun_tp_pp_ranks_get_identical_tensors(source, tmp_path):
     for mode in ("broadcast", "every_rank", "documents"):  # rank 0 logged every step of the job
         logged = read_audit_log(out / f"{mode}-audit.jsonl").records
         assert [r["fingerprint"] for r in logged] == [r["fingerprint"] for r in expected_audit.records]
-    for mode, rank in ((m, r) for m in ("broadcast", "every_rank", "documents") for r in range(4)):
+    modes = ("broadcast", "every_rank", "documents", "length_runs")
+    for mode, rank in ((m, r) for m in modes for r in range(4)):
         got = np.load(out / f"{mode}-rank{rank}.npz")
         options = (SampleOptions(inter_document_masking=True, boundary_format="thd") if mode == "documents"
                    else SampleOptions())
-        expected = list(RankLoader(source, geometry, topology=topology, rank=topology.rank_of(
-            pp_rank=topology.coordinates(rank).pp_rank), max_steps=3, options=options))
+        expected = list(RankLoader(runs if mode == "length_runs" else source, geometry, topology=topology,
+                                   rank=topology.rank_of(pp_rank=topology.coordinates(rank).pp_rank),
+                                   max_steps=4 if mode == "length_runs" else 3, options=options))
+        if mode == "length_runs":  # two steps at each length: the receivers sized both
+            assert [b.get("tokens", b.get("labels")).shape[1] for b in expected] == [16] * 4 + [32] * 4
         if mode == "documents":
             assert {"cu_seqlens", "max_seqlen", "document_ids"} <= set(expected[0])
             assert expected[0]["cu_seqlens"].ndim == 1 and expected[0]["max_seqlen"].ndim == 0

@@ -27,7 +27,9 @@ from tokenloom.builder.schedule import (
     PhaseSpec,
     batch_size_steps,
     epoch_room,
+    format_length_runs,
     format_schedule,
+    has_length_runs,
     plan_phases,
     read_max_epochs,
     read_phases,
@@ -368,11 +370,22 @@ class BuildConfig:
                 raise ConfigError(_WITH_PHASES[key])
         phases = read_phases(self.phases, _as_blend)
         for k, phase in enumerate(phases, 1):
-            if phase.seq_length is not None and phase.seq_length != self.seq_length:
+            if phase.seq_length is None or phase.seq_length == self.seq_length:
+                continue
+            if self.mode != "stateless" or self.packing != "concat":
                 raise ConfigError(
                     f"phase {k}: seq_length: {phase.seq_length} differs from the build's seq_length "
-                    f"{self.seq_length}; a phase of another sequence length is not built yet (it lands with "
-                    f"FORMAT.md 'Length runs'): drop seq_length from phase {k} or make it {self.seq_length}")
+                    f"{self.seq_length}; a phase of another sequence length is built in stateless mode with "
+                    f"concatenated samples (FORMAT.md 'Length runs'), not yet with mode: {self.mode} and "
+                    f"packing: {self.packing}: drop seq_length from phase {k} or use mode: stateless, "
+                    "packing: concat")
+            for key, unset in (("headroom", 0.0), ("max_epochs", None)):
+                if getattr(self, key) != unset:
+                    raise ConfigError(
+                        f"phase {k}: seq_length: {phase.seq_length} with {key}; a store whose sequence length "
+                        f"changes reads its runs end to end from one token stream (FORMAT.md 'Length runs'), "
+                        f"so no run has room to grow into, and {key} is not yet counted in tokens: drop {key} "
+                        f"or seq_length from phase {k}")
         steps = self.batch_size_steps
         if steps is None:
             raise ConfigError("phases without global_batch_size; a phase ends at an optimizer step's end and "
@@ -426,7 +439,10 @@ class BuildConfig:
         :func:`tokenloom.builder.schedule.format_schedule`); ``samples_per_epoch`` by store adds
         each store's epochs."""
         union, plan, _ = self._schedule_parts()
-        text = format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch)
+        text = format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch,
+                               seq_length=int(self.seq_length))
+        if has_length_runs(plan):
+            text += "\n" + format_length_runs(plan, union.spelt())
         if self.headroom:
             cap = "" if self.max_epochs is None else ", never past max_epochs"
             buffer = " (exact mode: megatron-core's buffer over it)" if self.mode == "exact" else ""

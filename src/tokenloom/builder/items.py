@@ -45,11 +45,11 @@ from tokenloom.builder.cost_model import (
 )
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.packs import CACHE_FORMAT_VERSION
-from tokenloom.builder.schedule import epoch_room, schedule_blend_params
+from tokenloom.builder.schedule import epoch_room, has_length_runs, schedule_blend_params, schedule_columns
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
-from tokenloom.index.epochs import EpochPlan, plan_epochs
+from tokenloom.index.epochs import EpochPlan, plan_epochs, plan_run_epochs
 from tokenloom.index.schedule_exact import exact_buffers, plan_exact_phases
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 from tokenloom.source.keys import hash_key
@@ -200,7 +200,10 @@ PackSamples = Mapping[str, int]
 
 
 def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int, end: int,
-              num_samples: int | None, pack_samples: PackSamples | None = None) -> WorkItem:
+              num_samples: int | None, pack_samples: PackSamples | None = None, *,
+              run: tuple[int, int] | None = None) -> WorkItem:
+    """The index of one store's split: ``run`` ``(seq_length, first_token)`` makes it one length
+    run of a schedule (stateless concat only; FORMAT.md "Length runs"), else the build's."""
     split = SPLIT_NAMES[split_index]
     if config.packing == "best_fit":
         return _best_fit_gpt_item(config, info, split, begin, end, num_samples, pack_samples)
@@ -214,11 +217,15 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
             f"{info.prefix}: the {split} split (sequences {begin}..{end} of {info.num_sequences}) holds "
             f"no tokens; expected at least one; check the split string and the store"
         )
-    # the plan's rules depend on the token count only: plan one document holding every token
-    epoch_plan = plan_epochs(np.array([tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
-                             num_samples=num_samples, seq_length=config.seq_length,
-                             add_extra_token=config.add_extra_token, drop_last_partial=drop_last)
-    epoch_plan = dataclasses.replace(epoch_plan, num_documents=num_documents)
+    seq_length = config.seq_length if run is None else run[0]
+    if run is not None and run[1] is not None:  # a run of a store whose sequence length changes
+        epoch_plan = plan_run_epochs(tokens, num_documents, first_token=run[1], num_samples=num_samples,
+                                     seq_length=seq_length, add_extra_token=config.add_extra_token)
+    else:  # the plan's rules depend on the token count only: plan one document holding every token
+        epoch_plan = plan_epochs(np.array([tokens], dtype=np.int64), np.zeros(1, dtype=np.int64),
+                                 num_samples=num_samples, seq_length=seq_length,
+                                 add_extra_token=config.add_extra_token, drop_last_partial=drop_last)
+        epoch_plan = dataclasses.replace(epoch_plan, num_documents=num_documents)
     num_epochs = epoch_plan.num_epochs
     samples = epoch_plan.num_samples_in_index
     positions = num_epochs * num_documents
@@ -226,9 +233,11 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         "format": CACHE_FORMAT_VERSION, "kind": "gpt", "mode": config.mode,
         "split": split, "store": info.fingerprint.to_dict(), "begin": begin, "end": end,
         "num_samples": num_samples,
-        "seq_length": config.seq_length, "seed": config.seed, "add_extra_token": config.add_extra_token,
+        "seq_length": seq_length, "seed": config.seed, "add_extra_token": config.add_extra_token,
         "drop_last_partial": drop_last,
     }
+    if run is not None and run[1] is not None:  # keyed only on a run: every other key stays as it was
+        params["first_token"] = run[1]
     megatron = None
     if config.mode == "exact":
         sample_row_bytes = 4 if positions <= np.iinfo(np.int32).max else 8
@@ -237,13 +246,16 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
         cost = gpt_cost(positions, samples, output_bytes)
         identifiers = gpt_identifiers(
             dataset_path=config.spelling(info.prefix), num_samples=num_samples, split=split, random_seed=config.seed,
-            sequence_length=config.seq_length, split_string=config.split,
+            sequence_length=seq_length, split_string=config.split,
             tokenizer=config.megatron_tokenizer)
         megatron = gpt_name(identifiers)
     else:
         output_bytes = 8 * (positions // 16 + 2) + 4096
         cost = stateless_gpt_cost(positions)
-    return WorkItem(kind="gpt", key=hash_key(params), split=split, label=f"gpt {split} {info.prefix}",
+    label = f"gpt {split} {info.prefix}"
+    if run is not None:
+        label += f" (seq_length {seq_length}" + ("" if run[1] is None else f", run from token {run[1]:,}") + ")"
+    return WorkItem(kind="gpt", key=hash_key(params), split=split, label=label,
                     params=params, num_samples=samples, output_bytes=output_bytes, cost_s=cost,
                     megatron=megatron, prefix=info.prefix, epoch_plan=epoch_plan)
 
@@ -326,12 +338,16 @@ def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> W
     plan = config.schedule_plan()
     column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
     served = [column[prefix] for prefix in prefixes]
+    schedule = schedule_blend_params(plan, served)
+    # the split's datasets are its stores, or their length runs (schedule["columns"])
+    weights = [float(plan.totals[d]) for d in served] if "columns" not in schedule else \
+        [float(column[-1]) for column in schedule["columns"]]
     params: dict[str, Any] = {
         "format": CACHE_FORMAT_VERSION, "kind": "blend", "mode": config.mode,
-        "weights": [float(plan.totals[d]) for d in served], "size": plan.num_samples, "seed": config.seed,
+        "weights": weights, "size": plan.num_samples, "seed": config.seed,
         "datasets": [d.key for d in datasets],
         "dataset_lengths": [d.num_samples for d in datasets],
-        "schedule": schedule_blend_params(plan, served),
+        "schedule": schedule,
     }
     label = f"schedule train of {plan.num_phases} phases over {len(datasets)} datasets"
     if config.mode == "exact":
@@ -347,6 +363,26 @@ def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> W
 
 def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
+
+
+Run = tuple[int, int | None] | None
+"""A dataset of a split that is a schedule's length run: ``(seq_length, first_token)``; None for
+the build's index of the store."""
+
+
+def _split_datasets(config: BuildConfig, blend, split_index: int, size: int | None,
+                    infos: Mapping[str, StoreInfo]) -> list[tuple[str, int | None, Run]]:
+    """A split's datasets as ``(prefix, num_samples, run)``: one per store of ``blend``
+    (:func:`_dataset_sizes`), except the train split of a schedule that changes the sequence
+    length, whose datasets are its stores' length runs (:func:`~tokenloom.builder.schedule.schedule_columns`)."""
+    plan = config.schedule_plan() if _is_schedule(config, split_index) else None
+    if has_length_runs(plan):
+        union = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
+        columns = schedule_columns(plan, [union[prefix] for prefix in blend.prefixes])
+        prefixes = config.schedule_stores.prefixes
+        return [(prefixes[c.store], c.samples, (c.seq_length, c.first_token)) for c in columns]
+    sizes = _dataset_sizes(config, blend, split_index, size, infos)
+    return [(prefix, n, None) for prefix, n in zip(blend.prefixes, sizes)]
 
 
 def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None,
@@ -393,8 +429,8 @@ def _with_headroom(config: BuildConfig, prefixes, sizes: list[int], infos: Mappi
     return [max(n, min(g, int(r))) for n, g, r in zip(sizes, grown, room.tolist())]
 
 
-GptItems = dict[tuple[str, int, int, int, int | None], WorkItem]
-"""``(prefix, split_index, begin, end, num_samples) -> WorkItem``: dataset items already made."""
+GptItems = dict[tuple[str, int, int, int, int | None, Run], WorkItem]
+"""``(prefix, split_index, begin, end, num_samples, run) -> WorkItem``: dataset items already made."""
 
 
 def train_samples_per_epoch(config: BuildConfig, infos: Mapping[str, StoreInfo],
@@ -434,23 +470,22 @@ def dataset_items(config: BuildConfig, infos: Mapping[str, StoreInfo],
         if not any(p in infos and split_ranges(config, infos[p].num_sequences, p)[split_index] is not None
                    for p in blend.prefixes):
             continue  # none of these stores is read by this split
-        counts = _dataset_sizes(config, blend, split_index, sizes[split_index], infos)
-        for prefix, n in zip(blend.prefixes, counts):
+        for prefix, n, run in _split_datasets(config, blend, split_index, sizes[split_index], infos):
             if prefix in infos:
-                _make_gpt(config, infos, made, prefix, split_index, n, pack_samples)
+                _make_gpt(config, infos, made, prefix, split_index, n, pack_samples, run=run)
     return made
 
 
 def _make_gpt(config: BuildConfig, infos, made: GptItems, prefix: str, split_index: int, n,
-              pack_samples: PackSamples | None = None) -> WorkItem | None:
+              pack_samples: PackSamples | None = None, *, run: Run = None) -> WorkItem | None:
     info = infos[prefix]
     bounds = split_ranges(config, info.num_sequences, prefix)[split_index]
     if bounds is None:
         return None
-    key = (prefix, split_index, *bounds, n)
+    key = (prefix, split_index, *bounds, n, run)
     item = made.get(key)
     if item is None:
-        item = made[key] = _gpt_item(config, info, split_index, *bounds, n, pack_samples)
+        item = made[key] = _gpt_item(config, info, split_index, *bounds, n, pack_samples, run=run)
     return item
 
 
@@ -477,9 +512,9 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
         if any(r is None for r in ranges):
             continue  # the split string gives this split no weight
         size = sizes[split_index]
-        counts = _dataset_sizes(config, blend, split_index, size, infos)
-        datasets = [_make_gpt(config, infos, made, p, split_index, n, pack_samples)
-                    for p, n in zip(blend.prefixes, counts)]
+        columns = _split_datasets(config, blend, split_index, size, infos)
+        datasets = [_make_gpt(config, infos, made, p, split_index, n, pack_samples, run=run)
+                    for p, n, run in columns]
         for item in datasets:  # a best-fit dataset's chunks come before it
             for pack in item.packs:
                 items.setdefault(pack.key, pack)
@@ -496,7 +531,7 @@ def resolve_items(config: BuildConfig, infos: Mapping[str, StoreInfo], made: Gpt
         for item in datasets:
             items.setdefault(item.key, item)
         items.setdefault(blend_item.key, blend_item)
-        splits.append(SplitPlan(name=split, prefixes=blend.prefixes,
+        splits.append(SplitPlan(name=split, prefixes=tuple(p for p, _, _ in columns),
                                 dataset_keys=tuple(d.key for d in datasets),
                                 blend_key=blend_item.key, num_samples=blend_item.num_samples))
     return list(items.values()), splits

@@ -135,7 +135,8 @@ class BuildResult:
         locator: Locator
         schedule = None
         if split.blend_key is not None and "schedule" in self._items[split.blend_key].params:
-            schedule = ScheduleLocator(*schedule_plan(self._items[split.blend_key].params))
+            params = self._items[split.blend_key].params
+            schedule = ScheduleLocator(*schedule_plan(params), columns=params["schedule"].get("columns"))
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
         elif self.mode == "stateless" and schedule is not None:
@@ -149,7 +150,7 @@ class BuildResult:
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
                              budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes],
-                             schedule=schedule)
+                             schedule=schedule, seq_lengths=None if schedule is None else schedule.seq_lengths)
 
     def packing_report(self) -> dict[str, PackingReport]:
         """What best-fit packing reached, by split (empty for concatenated samples): one epoch of

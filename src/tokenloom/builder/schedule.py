@@ -31,6 +31,7 @@ import numpy as np
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.batch_sizes import StepRuns, parse_step_schedule, rampup_steps
 from tokenloom.index.blend_spec import BlendSpec, megatron_normalize
+from tokenloom.index.length_runs import length_runs
 from tokenloom.index.schedule import (
     RAMPS,
     MixtureSchedule,
@@ -265,10 +266,12 @@ def epoch_room(max_epochs: Any, prefixes: Sequence[str], samples_per_epoch: Mapp
 
 
 def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Sequence[str] | None = None,
-                    samples_per_epoch: Mapping[str, int] | None = None) -> str:
+                    samples_per_epoch: Mapping[str, int] | None = None, seq_length: int | None = None) -> str:
     """The dry run's schedule: per phase what its ``until`` asked, where the phase ended (the
     sample, and the optimizer steps begun by then), its samples and tokens; then each store's share of each phase (its
-    samples in brackets) and its total, with the epochs of its train documents where known."""
+    samples in brackets) and its total, with the epochs of its train documents where known
+    (``samples_per_epoch`` counted at ``seq_length``, the build's; epochs are counted in tokens,
+    as a schedule that changes the sequence length takes them)."""
     steps = plan.boundary_steps
     tokens = [plan.phase_length(k) * plan.seq_lengths[k] for k in range(plan.num_phases)]
     lines = [f"schedule: {plan.num_phases} phases over {len(names)} store(s): {plan.num_samples:,} samples, "
@@ -287,8 +290,75 @@ def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Seque
         total = int(plan.totals[d])
         prefix = None if prefixes is None else prefixes[d]
         per_epoch = None if samples_per_epoch is None or prefix is None else samples_per_epoch.get(prefix)
-        epochs = "-" if not per_epoch else f"{total / per_epoch:.3f}"
+        taken = sum(int(plan.counts[k, d]) * plan.seq_lengths[k] for k in range(plan.num_phases))  # tokens
+        epoch_tokens = None if not per_epoch else per_epoch * (seq_length or plan.seq_lengths[0])
+        epochs = "-" if not epoch_tokens else f"{taken / epoch_tokens:.3f}"
         lines.append(f"  {name:<{width}}{cells}{total:>12,}{epochs:>9}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScheduleColumn:
+    """One dataset of a schedule's train split: a store's length run (FORMAT.md "Length runs").
+
+    A store whose sequence length never changes is one column holding every sample the schedule
+    takes of it, indexed exactly as without a schedule (``first_token`` None). A store whose
+    phases change it has one column per run, each an index of its own cut from the store's one
+    token stream from ``first_token`` on."""
+
+    store: int
+    """The store's id in the union of the phases' stores."""
+    seq_length: int
+    """Tokens per sample of the run."""
+    first_token: int | None
+    """The stream token the run starts at (its earlier runs' samples x their sequence lengths);
+    None for a store of one run (today's index)."""
+    begin: int
+    """The store's first sample (numbered on across phases, as the plan numbers it) in the run."""
+    samples: int
+    """Samples the run serves."""
+    phases: tuple[int, ...] = ()
+    """The 0-based phases the run serves samples in."""
+
+    def to_list(self) -> list:
+        """As a build key records it (the phases follow from the plan)."""
+        return [self.store, self.seq_length, self.first_token, self.begin, self.samples]
+
+
+def schedule_columns(plan: SchedulePlan, served: Sequence[int]) -> list[ScheduleColumn]:
+    """The train split's datasets of a schedule: each store of ``served`` (union ids, in the
+    split's order) as its length runs, in order. With one sequence length throughout, one column
+    per store."""
+    runs = length_runs(plan.counts, plan.seq_lengths)
+    out = []
+    for d in served:
+        begin = token = 0
+        several = len(runs[d]) > 1
+        for run in runs[d]:
+            out.append(ScheduleColumn(store=int(d), seq_length=run.seq_length, first_token=token if several else None,
+                                      begin=begin, samples=run.samples, phases=run.phases))
+            begin += run.samples
+            token += run.samples * run.seq_length  # the next run reads on from the first token not read
+    return out
+
+
+def has_length_runs(plan: SchedulePlan | None) -> bool:
+    """Whether a schedule changes the sequence length, so its split's datasets are length runs
+    (some store's samples are not all of one width)."""
+    return plan is not None and len(set(plan.seq_lengths)) > 1
+
+
+def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
+    """The dry run's length runs: for each store whose sequence length changes, each run's phases,
+    sequence length, samples and the stream token it starts at (FORMAT.md "Length runs")."""
+    columns = schedule_columns(plan, range(plan.num_datasets))
+    several = [c for c in columns if c.first_token is not None]
+    lines = [f"length runs: the sequence length changes, so {len({c.store for c in several})} store(s) are read "
+             "as runs, each from the token the one before stopped at"]
+    for column in several:
+        phases = ", ".join(str(k + 1) for k in column.phases)
+        lines.append(f"  {names[column.store]}: phases {phases}: seq_length {column.seq_length:,}, "
+                     f"{column.samples:,} samples from stream token {column.first_token:,}")
     return "\n".join(lines)
 
 
@@ -296,12 +366,17 @@ def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str
     """What the train split's blend item of a stateless schedule build hashes and rebuilds its
     plan from (:func:`schedule_plan_of`): each phase's weights over the union, its ramp and
     sequence length, the boundaries, the batch-size steps, the exact counts ``(P, D)``, and
-    ``served``, the union's datasets the split reads (those with samples), in the split's order."""
+    ``served``, the union's datasets the split reads (those with samples), in the split's order;
+    with phases of several sequence lengths also ``columns``, the split's datasets as
+    :func:`schedule_columns` gives them."""
     phases = [{"weights": list(phase.weights), "ramp": phase.ramp, "seq_length": seq}
               for phase, seq in zip(plan.schedule.phases, plan.seq_lengths)]
-    return {"phases": phases, "boundaries": list(plan.boundaries),
-            "batch_steps": [list(step) for step in plan.batch_steps],
-            "counts": plan.counts.tolist(), "served": [int(d) for d in served]}
+    params = {"phases": phases, "boundaries": list(plan.boundaries),
+              "batch_steps": [list(step) for step in plan.batch_steps],
+              "counts": plan.counts.tolist(), "served": [int(d) for d in served]}
+    if has_length_runs(plan):  # keyed only where it says more than served (keys stay as they were)
+        params["columns"] = [column.to_list() for column in schedule_columns(plan, served)]
+    return params
 
 
 def schedule_plan_of(schedule: Mapping[str, Any]) -> SchedulePlan:
@@ -324,14 +399,18 @@ def schedule_plan_of(schedule: Mapping[str, Any]) -> SchedulePlan:
 __all__ = [
     "PHASE_KEYS",
     "PhaseSpec",
+    "ScheduleColumn",
     "batch_size_steps",
     "epoch_room",
+    "format_length_runs",
     "format_schedule",
+    "has_length_runs",
     "mixture_schedule",
     "plan_phases",
     "read_max_epochs",
     "read_phases",
     "schedule_blend_params",
+    "schedule_columns",
     "schedule_plan_of",
     "train_steps",
     "union_stores",

@@ -47,13 +47,15 @@ def build_stateless_gpt_arrays(prefix: str, params: Mapping[str, Any], *,
     index = build_stateless_gpt_index(
         store.sequence_lengths, document_ids(DocumentRange(params["begin"], params["end"])),
         num_samples=params["num_samples"], seq_length=params["seq_length"], seed=params["seed"],
-        add_extra_token=params["add_extra_token"],
+        add_extra_token=params["add_extra_token"], first_token=params.get("first_token"),
         backend="auto" if compiled else _backend(params["end"] - params["begin"]))
     if index.document_ids is not None:  # a split is always a contiguous range of documents
         raise BuildError(f"{prefix}: documents {params['begin']}..{params['end']} did not form one range")
     arrays = {"block_token_starts": index.block_token_starts, "document_keys": index.document_keys}
     record = {"plan": plan_to_dict(index.plan), "block_size": index.block_size, "rounds": index.rounds,
               "first_document_id": index.first_document_id}
+    if index.first_token is not None:  # a schedule's length run (recorded only there: records stay as they were)
+        record["first_token"] = index.first_token
     return arrays, record
 
 
@@ -72,7 +74,7 @@ def open_stateless_gpt_index(store: IndexedDataset, record: Mapping[str, Any], b
         backend=resolve_backend("auto", BACKENDS, fallback="numpy"),
         sequence_lengths=store.sequence_lengths, document_ids=None,
         first_document_id=int(record["first_document_id"]), block_token_starts=block_token_starts,
-        document_keys=np.asarray(document_keys))
+        document_keys=np.asarray(document_keys), first_token=record.get("first_token"))
 
 
 def stateless_blend(params: Mapping[str, Any]) -> Blend:
@@ -91,6 +93,8 @@ def build_stateless_blend_arrays(params: Mapping[str, Any]) -> dict[str, np.ndar
     if "schedule" in params:
         plan, served = schedule_plan(params)
         counts, asked = plan.counts, plan.totals[served]
+        if "columns" in params["schedule"]:  # the split's datasets are length runs
+            asked = np.array([column[-1] for column in params["schedule"]["columns"]], dtype=np.int64)
     else:
         counts = asked = stateless_blend(params).counts
     over = np.flatnonzero(asked > np.asarray(params["dataset_lengths"], dtype=np.int64))

@@ -33,7 +33,7 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from tokenloom.serve import read_audit_log, summarize_audit, summarize_skips
+    from tokenloom.serve import by_store, read_audit_log, summarize_audit, summarize_skips
 
     log = read_audit_log(args.log)
     rows = summarize_audit(log)
@@ -44,7 +44,8 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.plot:
         from tokenloom.plots import plot_mixture
 
-        print(f"wrote the mixture plot to {plot_mixture(log, args.plot)}", file=sys.stderr)
+        # a schedule's length runs of one store drawn as the store
+        print(f"wrote the mixture plot to {plot_mixture(by_store(log), args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"log": args.log, "build_key": log.header["build_key"], "steps": len(log.records),
                           "datasets": rows, "last_steps": last_steps, "max_abs_final_drift": worst,

@@ -17,7 +17,14 @@ sampler, the field kernels, the context-parallel split) stay importable from the
 """
 
 from tokenloom import _moved
-from tokenloom.serve.audit import MixtureAudit, batch_fingerprint, read_audit_log, summarize_audit, summarize_skips
+from tokenloom.serve.audit import (
+    MixtureAudit,
+    batch_fingerprint,
+    by_store,
+    read_audit_log,
+    summarize_audit,
+    summarize_skips,
+)
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader
@@ -69,6 +76,7 @@ __all__ = [
     "SampleOptions",
     "Topology",
     "batch_fingerprint",
+    "by_store",
     "field_schema",
     "read_audit_log",
     "summarize_audit",

@@ -8,7 +8,9 @@ One JSON object per line. The first line describes the run; then one line per op
      "cumulative_tokens": [24, 8], "target_weights": [0.75, 0.25], "drift": [0.0, 0.0],
      "fingerprint": "3f0c..."}
 
-``tokens`` counts ``seq_length`` tokens per sample of each dataset in the step; ``drift`` is the
+``tokens`` counts ``seq_length`` tokens per sample of each dataset in the step (a schedule
+that changes the sequence length serves length runs, each with its own: the header then also
+lists ``seq_lengths``, one per dataset); ``drift`` is the
 realised share of all tokens so far minus the share the weights in force at each step asked for
 (after a weight change the expectation follows the new weights from that step on). The
 fingerprint hashes the build key and the global batch's ``(dataset_id, sample_id)`` pairs in
@@ -63,6 +65,9 @@ class MixtureAudit:
         header = {"format": AUDIT_FORMAT, "version": AUDIT_VERSION, "build_key": source.build_key,
                   "seq_length": source.seq_length, "datasets": [d.name for d in source.datasets],
                   "weights": [d.weight for d in source.datasets]}
+        widths = _seq_lengths(source)
+        if (widths != source.seq_length).any():  # a schedule's length runs (written only then)
+            header["seq_lengths"] = [int(w) for w in widths]
         budgets = [getattr(d, "budget_tokens", None) for d in source.datasets]
         if any(b is not None for b in budgets):
             header["budget_tokens"] = budgets
@@ -72,11 +77,12 @@ class MixtureAudit:
         """Audit the step ``sampler`` is about to serve (call before its first micro-batch)."""
         stream, source = sampler.stream, sampler.source
         num_datasets = len(source.datasets)
+        widths = _seq_lengths(source)  # (datasets,) tokens per sample
         if self._cumulative is None:
-            self._cumulative = stream.samples_reached(sampler.step_start) * source.seq_length
-            self._expected = expected_samples(stream, sampler.step_start) * source.seq_length
+            self._cumulative = stream.samples_reached(sampler.step_start) * widths
+            self._expected = expected_samples(stream, sampler.step_start) * widths
         dataset_ids, sample_ids = stream.locate(sampler.global_batch_positions())
-        tokens = np.bincount(dataset_ids, minlength=num_datasets) * source.seq_length
+        tokens = np.bincount(dataset_ids, minlength=num_datasets) * widths
         target = np.asarray(stream.target_weights(sampler.step_start))
         self._cumulative = self._cumulative + tokens
         self._expected = self._expected + target * float(tokens.sum())
@@ -135,6 +141,15 @@ class MixtureAudit:
                 "logged run (another state, build, or blend weights?)")
         # the log will get this step again; drop the later lines so it stays one run
         log.truncate_before(sampler.step)
+
+
+def _seq_lengths(source) -> np.ndarray:
+    """``(datasets,)`` int64: tokens per sample of each dataset of ``source`` (a schedule's
+    length runs have their own; any other source, its ``seq_length``)."""
+    widths = getattr(source, "seq_lengths", None)
+    if widths is None:
+        return np.full(len(source.datasets), source.seq_length, dtype=np.int64)
+    return np.asarray(widths, dtype=np.int64)
 
 
 def expected_samples(stream, position: int) -> np.ndarray:
@@ -235,9 +250,44 @@ def read_audit_log(path: str | os.PathLike) -> AuditLog:
     return AuditLog(path=path, header=objects[0], records=objects[1:])
 
 
+#: Per-dataset fields of a record that add up over a store's length runs.
+_ADDITIVE = ("tokens", "cumulative_tokens", "target_weights", "drift")
+
+
+def by_store(log: AuditLog) -> AuditLog:
+    """``log`` with one dataset per store: a schedule that changes the sequence length serves each
+    such store as several length runs (the header's ``seq_lengths``), and the runs of one store
+    are summed into it (tokens, targets and drifts add: in any step at most one run of a store
+    is served). A log without runs is returned as it is."""
+    if "seq_lengths" not in log.header:
+        return log
+    names = list(log.header["datasets"])
+    stores = list(dict.fromkeys(names))
+    group = np.array([stores.index(name) for name in names], dtype=np.int64)  # (datasets,)
+
+    def merged(values) -> list:
+        out = np.zeros(len(stores), dtype=np.float64)
+        np.add.at(out, group, np.asarray(values, dtype=np.float64))
+        return out.tolist()
+
+    header = {**log.header, "datasets": stores, "weights": merged(log.header["weights"])}
+    header.pop("seq_lengths")
+    records = []
+    for record in log.records:
+        record = dict(record)
+        for key in _ADDITIVE:
+            record[key] = merged(record[key])
+        record["tokens"] = [int(t) for t in record["tokens"]]
+        record["cumulative_tokens"] = [int(t) for t in record["cumulative_tokens"]]
+        records.append(record)
+    return AuditLog(path=log.path, header=header, records=records)
+
+
 def summarize_audit(log: AuditLog) -> list[dict[str, Any]]:
-    """One row per dataset: name, target weight, realised tokens and share, final drift, max |drift|;
-    and, when the build gave token budgets, the budget and the share of it served."""
+    """One row per dataset (per store, where a schedule's length runs split one: :func:`by_store`):
+    name, target weight, realised tokens and share, final drift, max |drift|; and, when the build
+    gave token budgets, the budget and the share of it served."""
+    log = by_store(log)
     names = log.header["datasets"]
     if not log.records:
         return [{"dataset": n, "target": w, "tokens": 0, "realised": 0.0, "drift": 0.0, "max_abs_drift": 0.0}
@@ -269,5 +319,5 @@ def summarize_skips(log: AuditLog) -> dict[str, Any]:
     return {"skipped_samples": sum(b - a for a, b in ranges), "ranges": ranges, "steps": steps}
 
 
-__all__ = ["AUDIT_FORMAT", "AUDIT_VERSION", "AuditLog", "MixtureAudit", "batch_fingerprint",
+__all__ = ["AUDIT_FORMAT", "AUDIT_VERSION", "AuditLog", "MixtureAudit", "batch_fingerprint", "by_store",
            "read_audit_log", "summarize_audit", "summarize_skips"]

@@ -89,8 +89,7 @@ class BatchPipeline:
 
     def finish(self, fields: dict) -> dict:
         """Step 6 on one micro-batch's fields: :func:`finish_micro_batch`."""
-        return finish_micro_batch(fields, self.options, self.source.seq_length, cp_size=self.cp_size,
-                                  cp_rank=self.cp_rank)
+        return finish_micro_batch(fields, self.options, cp_size=self.cp_size, cp_rank=self.cp_rank)
 
     def read_samples_fields(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
         """Steps 1-5: every field of the samples ``(dataset_ids[k], sample_ids[k])``, per sample
@@ -122,13 +121,15 @@ class BatchPipeline:
         out["dataset_id"] = dataset_ids.astype(self._id_dtype)  # (B,)
         return out
 
-    def schema(self, micro_batch_size: int) -> dict[str, FieldSpec]:
+    def schema(self, micro_batch_size: int, seq_length: int | None = None) -> dict[str, FieldSpec]:
         """Name -> :class:`FieldSpec` of every field :meth:`read_samples_fields` returns for
         ``micro_batch_size`` samples (what crosses a process boundary), in the same order:
-        :meth:`from_rows` on one synthetic row, its first axis set to ``micro_batch_size``."""
+        :meth:`from_rows` on one synthetic row, its first axis set to ``micro_batch_size``.
+        ``seq_length``: of the samples (a schedule's phase may have its own), else the source's."""
         if not is_integer(micro_batch_size) or micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={micro_batch_size!r}; expected a positive integer")
-        width = self.source.seq_length + int(self.source.add_extra_token)
+        seq_length = self.source.seq_length if seq_length is None else seq_length
+        width = seq_length + int(self.source.add_extra_token)
         row = np.zeros((1, width), dtype=np.int64)  # (1, width)
         pieces = (np.full((1, width + 1), width, dtype=np.int32), np.ones(1, dtype=np.int32))  # one document
         one = self.from_rows(row, np.zeros(1, dtype=np.int64), pieces=pieces)
@@ -144,20 +145,27 @@ def read_fields(source: SampleSource, dataset_ids, sample_ids, *, options: Sampl
 
 
 def field_schema(source: SampleSource, micro_batch_size: int, *, options: SampleOptions = SampleOptions(),
-                 fields: tuple[str, ...] | None = None, cp_size: int = 1) -> dict[str, FieldSpec]:
+                 fields: tuple[str, ...] | None = None, cp_size: int = 1,
+                 seq_length: int | None = None) -> dict[str, FieldSpec]:
     """Name -> :class:`FieldSpec` of every field :func:`read_fields` returns for a micro-batch of
-    ``micro_batch_size`` samples: ``BatchPipeline(source, ...).schema(micro_batch_size)``."""
-    return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size)
+    ``micro_batch_size`` samples (of ``seq_length`` tokens: a schedule's phase may have its own;
+    None: the source's): ``BatchPipeline(source, ...).schema(micro_batch_size, seq_length)``."""
+    return BatchPipeline(source, options=options, fields=fields, cp_size=cp_size).schema(micro_batch_size,
+                                                                                         seq_length)
 
 
-def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int, *, cp_size: int = 1,
+def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int | None = None, *, cp_size: int = 1,
                        cp_rank: int = 0) -> dict:
     """Step 6 on one micro-batch's per-sample fields (numpy arrays or torch tensors): with
     ``boundary_format="thd"`` the packed boundaries (:func:`~tokenloom.serve.packed.pack_documents`),
     and with context parallelism this rank's share of the packed documents
-    (:func:`~tokenloom.serve.packed.partition_documents`); else unchanged."""
+    (:func:`~tokenloom.serve.packed.partition_documents`); else unchanged. ``seq_length`` None:
+    the micro-batch's own, read from its ``cu_seqlens`` ``(B, S + 1)`` (a schedule's phases may
+    differ)."""
     if options.boundary_format != "thd":
         return fields
+    if seq_length is None:
+        seq_length = int(fields["cu_seqlens"].shape[1]) - 1
     if cp_size > 1:
         return partition_documents(fields, seq_length, cp_size, cp_rank)
     return pack_documents(fields, seq_length)

@@ -59,8 +59,12 @@ class ShardOptions:
     @classmethod
     def of(cls, options) -> ShardOptions:
         """From anything with ``shard_index`` and ``shard_count`` (grain's ShardOptions too)."""
-        return options if isinstance(options, cls) else cls(shard_index=int(options.shard_index),
-                                                            shard_count=int(options.shard_count))
+        if isinstance(options, cls):
+            return options
+        if not all(hasattr(options, name) for name in ("shard_index", "shard_count")):
+            raise ConfigError(f"shard={options!r}; expected ShardOptions(shard_index=..., shard_count=...) "
+                              "(tokenloom's or grain's)")
+        return cls(shard_index=int(options.shard_index), shard_count=int(options.shard_count))
 
 
 class HostLoader:

@@ -27,7 +27,7 @@ from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.batch import BatchPipeline, check_eod
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.online import OnlineMixing
-from tokenloom.serve.sampler import MicroBatchSampler
+from tokenloom.serve.sampler import MicroBatchSampler, refuse_on_length_runs
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.topology import LoadMode, RankPlan, Topology
@@ -72,6 +72,7 @@ class RankSchedule:
         self.mixing = mixing
         """:class:`~tokenloom.serve.online.OnlineMixing`: weights that follow the reported loss."""
         if mixing is not None:
+            refuse_on_length_runs(self.sampler.stream, "online mixing")
             mixing.attach(self.sampler)
 
     def _micro_batch(self, positions: np.ndarray):

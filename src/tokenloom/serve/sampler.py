@@ -21,9 +21,10 @@ from tokenloom.source import SampleSource
 from tokenloom.validate import is_integer
 
 STATE_FORMAT = "tokenloom-serve-state"
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Version 1 (before skips and quarantines) reads as a state with neither."""
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""Version 1 (before skips and quarantines) reads as a state with neither; version 2 (blend
+segments as decimal lists, online-mixing history with its weights) reads as written."""
 
 
 class MicroBatchSampler:
@@ -156,6 +157,7 @@ class MicroBatchSampler:
         if self.micro_batch:
             raise ConfigError(f"blend weights can change between steps only; {self.micro_batch} "
                               f"micro-batches of step {self.step} are already served")
+        refuse_on_length_runs(self.stream, "a weight change at run time")
         self.stream = self.stream.reweighted(self.step_start, weights)
 
     # -- skips ----------------------------------------------------------------------------------
@@ -197,6 +199,32 @@ class MicroBatchSampler:
                 raise ConfigError(f"quarantine item {item!r}; expected a (store prefix, document id) pair")
             pairs.append((prefix, int(document)))
         self.stream = self.stream.quarantined_from(self.step_start, pairs)
+        self._align_length_changes()
+
+    def _align_length_changes(self) -> None:
+        """After a quarantine (it removes single samples, so later steps start elsewhere), put
+        every later change of sequence length back at a step's start: a step is one array, so
+        its rows share one width. The old phase's samples in the step that would straddle the
+        change are dropped (skipped, so the audit counts them), which is fewer than one step each."""
+        schedule = self.stream.schedule
+        if getattr(schedule, "columns", None) is None:  # no length runs: every step has one width
+            return
+        plan = schedule.plan
+        changes = [int(b) for k, b in enumerate(plan.boundaries[1:-1], 1)
+                   if plan.seq_lengths[k] != plan.seq_lengths[k - 1]]
+        begin = self.step_start  # a logical step start
+        for change in changes:
+            if change <= int(self.stream.underlying(np.array([begin]))[0]):
+                continue
+            at = self.stream.logical(change)  # where the new length's first sample is served
+            if self.geometry.schedule is None:  # steps of one size: no walk
+                size = self.geometry.global_batch_size
+                begin += (at - begin) // size * size
+            else:
+                while begin + self.size_at(begin) <= at:
+                    begin += self.size_at(begin)
+            if begin < at:
+                self.stream = self.stream.skipped(begin, at)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -239,6 +267,17 @@ class MicroBatchSampler:
         self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
 
 
+def refuse_on_length_runs(stream: SampleStream, what: str) -> None:
+    """ConfigError for ``what`` (a change of weights) on a split of length runs: a store's runs are
+    cut end to end from its token stream, each sized for the schedule's own counts, so no run has
+    room to serve more (FORMAT.md "Length runs")."""
+    if getattr(stream.schedule, "columns", None) is not None:
+        raise ConfigError(f"{what} on this build: its schedule changes seq_length, so the train split reads "
+                          "stores as length runs cut end to end from their token streams, sized for the "
+                          "schedule's own counts, and no run has room for more; not supported yet: serve it "
+                          "with the declared weights, or build phases of one seq_length")
+
+
 def check_state(state: dict[str, Any], build_key: str) -> None:
     """Raise ConfigError unless ``state`` is a serving state of this build and schema."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -258,4 +297,5 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
             raise ConfigError(f"serving state field {name}={value!r}; expected a non-negative integer")
 
 
-__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state"]
+__all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state",
+           "refuse_on_length_runs"]

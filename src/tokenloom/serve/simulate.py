@@ -48,7 +48,6 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
-    seq = source.seq_length
     steps = []
     for _ in range(num_steps):
         micro_steps = []
@@ -66,12 +65,14 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                                 if not np.array_equal(value, peer[name]):
                                     raise TokenloomError(
                                         f"tensor peers disagree on {name} (dp {dp_rank}, pp {pp_rank})")
-                        positions = context_parallel_positions(seq, topology.cp, cp_rank)
                         for name, value in group[0].items():
                             if name == "dataset_id" or name in SAMPLE_WIDE_FIELDS:  # whole on every cp rank
                                 merged[name] = value
                                 continue
                             axis = 2 if name == "attention_mask" else 1
+                            # the step's own sequence length (a schedule's phase may have its own)
+                            seq = value.shape[axis] * topology.cp
+                            positions = context_parallel_positions(seq, topology.cp, cp_rank)
                             if name not in merged:
                                 shape = list(value.shape)
                                 shape[axis] = seq

@@ -244,10 +244,13 @@ def tensor_parallel_group(topology: Topology, rank: int):
 
 
 def batch_shapes(source: SampleSource, micro_batch_size: int, fields: tuple[str, ...], cp_size: int,
-                 options: SampleOptions) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                 options: SampleOptions,
+                 seq_length: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and torch dtype of every field a rank receives (what a broadcast receiver
-    allocates), in the order the pipeline returns them: :func:`~tokenloom.serve.batch.field_schema`."""
-    schema = field_schema(source, micro_batch_size, options=options, fields=fields, cp_size=cp_size)
+    allocates), in the order the pipeline returns them: :func:`~tokenloom.serve.batch.field_schema`
+    (``seq_length``: of the micro-batch's samples, where a schedule's phase has its own)."""
+    schema = field_schema(source, micro_batch_size, options=options, fields=fields, cp_size=cp_size,
+                          seq_length=seq_length)
     return {name: (spec.shape, _torch_dtype(spec.dtype)) for name, spec in schema.items()}
 
 
@@ -278,7 +281,8 @@ class DistributedBatches(RankSchedule):
         self.device = torch.device(device)
         self._loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
         self._iterator = None
-        self._schema: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._schema: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        """By sequence length: what a broadcast receiver allocates."""
         if self.mode is LoadMode.BROADCAST and topology.tp > 1 and self.plan.fields and tp_group is None:
             raise ConfigError("LoadMode.BROADCAST with tp > 1 needs tp_group (see tensor_parallel_group)")
 
@@ -307,19 +311,27 @@ class DistributedBatches(RankSchedule):
                 self._start_loader()  # from the state before this micro-batch
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_loaded().items()}
         if self.mode is LoadMode.BROADCAST and self.topology.tp > 1:
-            batch = self._broadcast(batch)
+            batch = self._broadcast(batch, positions)
         if batch is None:
             return None
-        return finish_micro_batch(batch, self.options, self.source.seq_length, cp_size=self.topology.cp,
+        return finish_micro_batch(batch, self.options, cp_size=self.topology.cp,
                                   cp_rank=self.plan.coordinates.cp_rank)
 
-    def _broadcast(self, batch):
-        if self._schema is None:
-            self._schema = batch_shapes(self.source, self.geometry.micro_batch_size, self.plan.fields,
-                                        self.topology.cp, self.options)
+    def _broadcast(self, batch, positions: np.ndarray):
+        # a receiver allocates the micro-batch's shape: its samples' width, known from their
+        # positions alone (a schedule's phase may have its own sequence length)
+        source = self.sampler.source
+        widths = getattr(source, "width_of", None)
+        seq_length = source.seq_length if widths is None else \
+            widths(self.sampler.stream.locate(positions)[0]) - int(source.add_extra_token)
+        schema = self._schema.get(seq_length)
+        if schema is None:
+            schema = self._schema[seq_length] = batch_shapes(
+                self.source, self.geometry.micro_batch_size, self.plan.fields, self.topology.cp, self.options,
+                seq_length=seq_length)
         source_rank = self.plan.tensor_group[0]
         out = {}
-        for name, (shape, dtype) in self._schema.items():
+        for name, (shape, dtype) in schema.items():
             # gloo has no bool or int16 broadcast: send those as int64 / uint8
             wire = (torch.uint8 if dtype == torch.bool
                     else torch.int64 if dtype in (torch.int16, torch.int32) else dtype)

@@ -131,9 +131,13 @@ class ScheduleLocator:
 
     The plan numbers the union of the phases' stores; the split reads ``datasets`` of them (those
     the schedule takes samples from), in that order, so the locator maps the plan's dataset ids to
-    the split's and back."""
+    the split's and back. A schedule that changes the sequence length reads each store as its
+    length runs (FORMAT.md "Length runs"): ``columns`` then gives the split's datasets as ``(store,
+    seq_length, first_token, begin, samples)`` rows (``builder.schedule.ScheduleColumn``), and a
+    store's sample ``s`` of the plan is sample ``s - begin`` of the run holding it."""
 
-    def __init__(self, plan: SchedulePlan, datasets: Sequence[int] | None = None) -> None:
+    def __init__(self, plan: SchedulePlan, datasets: Sequence[int] | None = None,
+                 columns: Sequence[Sequence[int | None]] | None = None) -> None:
         self.plan = plan
         union = plan.num_datasets
         # ids: (split datasets,) the plan's id of each; local: (union,) the split's id, -1 if unread
@@ -148,37 +152,97 @@ class ScheduleLocator:
                               "leaves it out; expected every dataset with samples")
         self._local = np.full(union, -1, dtype=np.int64)
         self._local[self._ids] = np.arange(len(self._ids), dtype=np.int64)
+        self.columns = None if columns is None else [tuple(c) for c in columns]
+        """The split's datasets as length runs (see the class docstring), or None: one per store."""
+        self.seq_lengths: tuple[int, ...] = tuple(plan.seq_lengths[0] for _ in self._ids)
+        """Tokens per sample of each of the split's datasets."""
+        if self.columns is not None:
+            self._runs_of(self.columns)
+
+    def _runs_of(self, columns: list[tuple]) -> None:
+        """The column tables: each column's store, first sample and samples; each (phase, store)'s
+        column (the run serving the store's next sample there)."""
+        plan = self.plan
+        store = np.array([c[0] for c in columns], dtype=np.int64)  # (C,)
+        begin = np.array([c[3] for c in columns], dtype=np.int64)
+        samples = np.array([c[4] for c in columns], dtype=np.int64)
+        if set(store.tolist()) != set(self._ids.tolist()) or (np.diff(store) < 0).any():
+            raise ConfigError(f"length-run columns over stores {sorted(set(store.tolist()))}; expected the runs "
+                              f"of the split's stores {self._ids.tolist()}, store by store")
+        ends = {}
+        for c, (d, b, n) in enumerate(zip(store.tolist(), begin.tolist(), samples.tolist())):
+            if b != ends.get(d, 0) or n < 1:
+                raise ConfigError(f"length-run column {c} of store {d} covers its samples [{b}, {b + n}); expected a "
+                                  f"run of at least one sample starting at {ends.get(d, 0)}, where its last run ended")
+            ends[d] = b + n
+        short = [d for d in ends if ends[d] != int(plan.totals[d])]
+        if short:
+            d = short[0]
+            raise ConfigError(f"the length runs of store {d} hold {ends[d]} samples but the schedule takes "
+                              f"{int(plan.totals[d])} of it; expected runs covering exactly its samples")
+        # column of (phase, store): the run holding the store's first sample of the phase (its
+        # last run once it has served them all), so each phase's weights land on one run each
+        table = np.full((plan.num_phases, plan.num_datasets), -1, dtype=np.int64)  # (P, union)
+        for d in self._ids.tolist():
+            mine = np.flatnonzero(store == d)
+            first = np.minimum(plan.cumulative[:-1, d], ends[d] - 1)  # (P,)
+            table[:, d] = mine[np.searchsorted(begin[mine], first, side="right") - 1]
+        self._store, self._begin, self._samples, self._table = store, begin, samples, table
+        self.seq_lengths = tuple(int(c[1]) for c in columns)
 
     @property
     def num_samples(self) -> int:
         return self.plan.num_samples
 
+    @property
+    def num_columns(self) -> int:
+        """The split's datasets: its stores, or their length runs."""
+        return len(self._ids) if self.columns is None else len(self.columns)
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        _, datasets, samples = self.plan.locate(positions)
-        return self._local[datasets], samples
+        phases, datasets, samples = self.plan.locate(positions)
+        if self.columns is None:
+            return self._local[datasets], samples
+        columns = self._table[phases, datasets]
+        return columns, samples - self._begin[columns]
 
     def positions_of(self, dataset_id: int, sample_ids: np.ndarray) -> np.ndarray:
         """Ascending positions holding samples ``sample_ids`` of dataset ``dataset_id``: the
-        schedule takes the first ``totals`` of them, each where its closed form places it."""
-        union = int(self._ids[dataset_id])
-        kept = sample_ids[(sample_ids >= 0) & (sample_ids < int(self.plan.totals[union]))]
-        return np.sort(self.plan.positions_of(union, kept))
+        schedule takes the first ``totals`` of them (of a run: its ``samples``), each where its
+        closed form places it."""
+        if self.columns is None:
+            union, begin, count = int(self._ids[dataset_id]), 0, int(self.plan.totals[int(self._ids[dataset_id])])
+        else:
+            union, begin, count = (int(self._store[dataset_id]), int(self._begin[dataset_id]),
+                                   int(self._samples[dataset_id]))
+        kept = sample_ids[(sample_ids >= 0) & (sample_ids < count)]
+        return np.sort(self.plan.positions_of(union, kept + begin))
 
     def samples_reached(self, position: int) -> np.ndarray:
         """``(datasets,)`` int64: samples of each of the split's datasets in positions
         ``[0, position)``, closed form (what a weight change at ``position`` continues from)."""
-        return self.plan.samples_reached(position)[self._ids]
+        reached = self.plan.samples_reached(position)
+        if self.columns is None:
+            return reached[self._ids]
+        return np.clip(reached[self._store] - self._begin, 0, self._samples)
 
     def targets_at(self, positions) -> np.ndarray:
         """``(n, datasets)`` float64: :meth:`target_weights` at each of ``positions`` at once."""
-        weights = self.plan.target_weights(np.asarray(positions, dtype=np.int64).reshape(-1))  # (n, union)
-        return weights[:, self._ids]
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        weights = self.plan.target_weights(positions)  # (n, union)
+        if self.columns is None:
+            return weights[:, self._ids]
+        # each store's weight goes to the run serving it in the position's phase
+        phases = self.plan.phase_of(positions)
+        out = np.zeros((positions.shape[0], self.num_columns), dtype=np.float64)
+        # a phase's stores land on distinct runs, so no cell is written twice
+        out[np.arange(positions.shape[0])[:, None], self._table[phases][:, self._ids]] = weights[:, self._ids]
+        return out
 
     def target_weights(self, position: int) -> tuple[float, ...]:
         """The mixture the schedule aims at, at ``position``, over the split's datasets: the
         phase's weights, or a ramp's step's interpolated weights."""
-        weights = self.plan.target_weights(np.array([position], dtype=np.int64))[0]  # (union,)
-        return tuple(float(w) for w in weights[self._ids])
+        return tuple(float(w) for w in self.targets_at(np.array([position], dtype=np.int64))[0])
 
 
 class DirectLocator:
@@ -258,12 +322,14 @@ class BlendedSource:
     def __init__(self, *, readers: Sequence[DatasetReader], weights: Sequence[float], locator: Locator,
                  seq_length: int, add_extra_token: bool, build_key: str, pad_id: int = PAD_TOKEN_ID,
                  name: str = "train", eod_ids: Sequence[int | None] | None = None,
-                 budgets: Sequence[int | None] | None = None, schedule: ScheduleLocator | None = None) -> None:
+                 budgets: Sequence[int | None] | None = None, schedule: ScheduleLocator | None = None,
+                 seq_lengths: Sequence[int] | None = None) -> None:
         """``weights`` are the datasets' target shares (summing to 1); ``eod_ids`` give each
         dataset's end-of-document id where its store has no tokenizer record (None: the records');
         ``budgets`` each dataset's token budget, where the build config gave budgets; ``schedule``
         the mixture schedule the split was built from (its targets change by phase), in either
-        mode."""
+        mode; ``seq_lengths`` each dataset's tokens per sample where a schedule changes it (its
+        datasets are then length runs; None: ``seq_length`` for every dataset)."""
         if len(weights) != len(readers) or (eod_ids is not None and len(eod_ids) != len(readers)):
             raise ConfigError(f"{len(weights)} weights and {None if eod_ids is None else len(eod_ids)} EOD ids "
                               f"for {len(readers)} datasets; expected one of each per dataset")
@@ -280,6 +346,12 @@ class BlendedSource:
         self.backend: str | None = None
         """Gather kernel (a key of ``tokenloom.source.gather.GATHER_BACKENDS``); None: the default."""
         self._seq_length = int(seq_length)
+        self._seq_lengths = np.full(len(readers), self._seq_length, dtype=np.int64) if seq_lengths is None \
+            else np.asarray(seq_lengths, dtype=np.int64)
+        if self._seq_lengths.shape != (len(readers),) or (self._seq_lengths < 1).any():
+            raise ConfigError(f"seq_lengths={list(seq_lengths)!r} for {len(readers)} datasets; expected one "
+                              "positive sequence length per dataset")
+        self._one_width = bool((self._seq_lengths == self._seq_length).all())
         self._add_extra_token = bool(add_extra_token)
         self._build_key = build_key
         self._pad_id = int(pad_id)
@@ -304,6 +376,31 @@ class BlendedSource:
     @property
     def seq_length(self) -> int:
         return self._seq_length
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """``(datasets,)`` int64: tokens per sample of each dataset (all ``seq_length`` unless a
+        schedule changes it: FORMAT.md "Length runs")."""
+        return self._seq_lengths
+
+    def width_of(self, dataset_ids) -> int:
+        """The row width ``seq_length + add_extra_token`` of a batch of samples of ``dataset_ids``
+        (every dataset of a schedule's phase has the phase's sequence length); ConfigError for a
+        batch whose datasets have two (a micro-batch is one array: its rows share a width)."""
+        extra = int(self._add_extra_token)
+        if self._one_width:
+            return self._seq_length + extra
+        ids = np.unique(np.asarray(dataset_ids, dtype=np.int64))
+        ids = ids[(ids >= 0) & (ids < len(self.readers))]  # read_by_dataset names any other id
+        widths = np.unique(self._seq_lengths[ids])
+        if widths.shape[0] > 1:
+            first = [int(ids[np.flatnonzero(self._seq_lengths[ids] == w)[0]]) for w in widths[:2]]
+            raise ConfigError(
+                f"one batch of the {self.name} split holds samples of sequence lengths {int(widths[0])} (dataset "
+                f"{first[0]}, {self.readers[first[0]].name}) and {int(widths[1])} (dataset {first[1]}, "
+                f"{self.readers[first[1]].name}); a batch is one array, so its samples must come from one phase's "
+                "sequence length: serve whole optimizer steps (a phase ends at a step's end)")
+        return (int(widths[0]) if widths.shape[0] else self._seq_length) + extra
 
     @property
     def add_extra_token(self) -> bool:
@@ -337,18 +434,18 @@ class BlendedSource:
         return self.locator.locate(positions)
 
     def read_samples(self, dataset_ids, sample_ids) -> np.ndarray:
-        """``(B, seq_length + add_extra_token)`` int64 tokens of (dataset, sample) pairs."""
+        """``(B, seq_length + add_extra_token)`` int64 tokens of (dataset, sample) pairs (the
+        ``seq_length`` of their datasets: :meth:`width_of`)."""
         def fill(d: int, rows: np.ndarray, wanted: np.ndarray, out: np.ndarray) -> None:
             self.readers[d].read_into(wanted, out, rows, backend=self.backend)
 
-        return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers,
-                               width=self._seq_length + int(self._add_extra_token), fill=fill,
-                               concurrently=self._remote)
+        return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers, width=self.width_of(dataset_ids),
+                               fill=fill, concurrently=self._remote)
 
     def read_pieces(self, dataset_ids, sample_ids) -> PieceRows:
         """The rows of :meth:`read_samples` and the document pieces of each, recorded by the same
         gather (:class:`~tokenloom.source.protocol.PieceRows`)."""
-        width = self._seq_length + int(self._add_extra_token)
+        width = self.width_of(dataset_ids)
         count = np.asarray(dataset_ids).shape[0]
         ends = np.empty((count, width + 1), dtype=np.int32)  # (B, width + 1)
         counts = np.empty(count, dtype=np.int32)  # (B,)

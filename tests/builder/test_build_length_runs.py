@@ -1,0 +1,191 @@
+"""A schedule that changes the sequence length (issue 40, FORMAT.md "Length runs"): the build reads
+each store whose sequence length changes as its length runs, each an index of its own cut from
+the store's one token stream from the token the run before stopped at; a store of one length is
+indexed as without a schedule. Held here against the plan and the store's own documents: the
+columns and their keys, the counts per phase, every token an input once per epoch round (none
+twice, none skipped), where/find, the dry run, two gloo ranks, and the refusals."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import tokenloom
+from build_fixtures import cache_files, launch, make_stores
+from tokenloom.builder.config import build_config_from_dict
+from tokenloom.errors import ConfigError
+from tokenloom.index.split import split_document_ranges
+
+SEQ, LONG = 64, 256
+#: store0 changes length twice (three runs, crossing an epoch of its train documents); store1 keeps
+#: SEQ in phases 1 and 3 (one run across phase 2, where it has no samples); store2 is only in the
+#: long phase (one run, at LONG).
+PHASES = [
+    {"blend": ["0.6", "store0", "0.4", "store1"], "until": {"samples": 640}},
+    {"blend": ["1", "store0", "1", "store2"], "until": {"samples": 960}, "seq_length": LONG},
+    {"blend": ["1", "store0", "1", "store1"], "until": {"steps": 80}},
+]
+
+
+def _config(stores, cache_dir, phases=PHASES, **changes) -> dict:
+    phases = [{**p, "blend": [os.path.join(stores, v) if v.startswith("store") else v for v in p["blend"]]}
+              for p in phases]
+    config = {"phases": phases, "split": "90,8,2", "seq_length": SEQ, "global_batch_size": 16,
+              "valid_samples": 40, "test_samples": 20, "seed": 7, "mode": "stateless",
+              "cache_dir": str(cache_dir), "rng_workers": 0, "timeout_s": 60.0}
+    config.update(changes)
+    return config
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("length-runs")
+    make_stores(root / "stores", count=3)
+    values = _config(str(root / "stores"), root / "cache")
+    return root, values, build_config_from_dict(values), tokenloom.build(values)
+
+
+def _names(split) -> list[str]:
+    return [os.path.basename(reader.name) for reader in split.readers]
+
+
+def test_each_store_whose_length_changes_is_read_as_its_runs(built):
+    _, _, config, result = built
+    plan, train = config.schedule_plan(), result.split("train")
+    assert plan.seq_lengths == (SEQ, LONG, SEQ) and plan.boundaries == (0, 640, 960, 1280)
+    assert _names(train) == ["store0", "store0", "store0", "store1", "store2"]
+    assert train.seq_lengths.tolist() == [SEQ, LONG, SEQ, SEQ, LONG]
+    items = [result.plan.item(key) for key in result.plan.splits[0].dataset_keys]
+    n0 = [int(plan.counts[k, 0]) for k in range(3)]  # store0's samples in each phase, each phase one run
+    assert [item.num_samples for item in items[:3]] == n0
+    # run r of store0 starts at the stream token its earlier runs' samples end at
+    assert [item.params["first_token"] for item in items[:3]] == [0, n0[0] * SEQ, n0[0] * SEQ + n0[1] * LONG]
+    assert [item.params["seq_length"] for item in items] == [SEQ, LONG, SEQ, SEQ, LONG]
+    # a store of one length is indexed as without a schedule: no first_token in its key
+    assert "first_token" not in items[3].params and "first_token" not in items[4].params
+    assert items[3].num_samples >= int(plan.totals[1])
+    columns = result.plan.item(result.plan.splits[0].blend_key).params["schedule"]["columns"]
+    assert [c[:3] for c in columns] == [[0, SEQ, 0], [0, LONG, n0[0] * SEQ], [0, SEQ, n0[0] * SEQ + n0[1] * LONG],
+                                        [1, SEQ, None], [2, LONG, None]]
+    # the valid and test splits blend the stores at the build's sequence length
+    assert result.split("valid").seq_lengths.tolist() == [SEQ] * len(result.split("valid").readers)
+
+
+def test_each_phase_serves_the_plans_counts_from_its_own_runs(built):
+    _, _, config, result = built
+    plan, train = config.schedule_plan(), result.split("train")
+    datasets, samples = train.locate(np.arange(len(train)))
+    store_of = [0, 0, 0, 1, 2]  # the union's id of each column
+    for k in range(plan.num_phases):
+        window = datasets[plan.boundaries[k]:plan.boundaries[k + 1]]
+        assert set(train.seq_lengths[window].tolist()) == {plan.seq_lengths[k]}, f"phase {k + 1}"
+        per_store = np.zeros(plan.num_datasets, dtype=np.int64)
+        np.add.at(per_store, np.asarray(store_of)[window], 1)
+        assert per_store.tolist() == plan.counts[k].tolist(), f"phase {k + 1}"
+    for column in range(len(train.readers)):  # every run serves its samples once each
+        mine = samples[datasets == column]
+        assert sorted(mine.tolist()) == list(range(train.readers[column].num_samples if column < 3 else mine.size))
+
+
+def _inputs(origin, width: int) -> list[tuple[int, int]]:
+    """The ``(document, offset)`` of each input token of a sample (its first ``width``)."""
+    out = []
+    for piece in origin.pieces:
+        out += [(piece.document, piece.offset + i) for i in range(piece.length)]
+    return out[:width]
+
+
+def test_a_store_reads_on_from_the_token_its_last_run_stopped_at(built):
+    """store0 takes 1.3 epochs of its train documents over three runs of two lengths: every token
+    of an epoch is an input once before any is an input again (none twice, none skipped), so
+    each token is an input ``m`` or ``m + 1`` times and they add up to the runs' tokens."""
+    _, _, config, result = built
+    plan, train = config.schedule_plan(), result.split("train")
+    origins = [o for o in train.where(np.arange(len(train))) if o.dataset < 3]
+    seen = Counter()
+    for origin in origins:
+        seen.update(_inputs(origin, int(train.seq_lengths[origin.dataset])))
+    taken = sum(int(plan.counts[k, 0]) * plan.seq_lengths[k] for k in range(3))
+    assert sum(seen.values()) == taken
+    store = train.readers[0].store
+    begin, end = split_document_ranges("90,8,2", store.num_sequences)[0]
+    lengths = np.asarray(store.sequence_lengths[begin:end])
+    epoch = int(lengths.sum())
+    assert epoch < taken < 2 * epoch  # the runs cross an epoch
+    every = {(begin + d, t) for d in range(end - begin) for t in range(int(lengths[d]))}
+    assert set(seen) == every  # no token skipped
+    assert set(seen.values()) == {1, 2} and sum(v == 2 for v in seen.values()) == taken - epoch
+    # the second round starts at the start of documents (of the second epoch's order) and runs on
+    # from there: every document read twice is read twice from its first token up to some point
+    twice = Counter(d for (d, _), v in seen.items() if v == 2)
+    partly = [d for d, n in twice.items() if n != lengths[d - begin]]
+    assert len(partly) <= 1 and all(seen[(d, 0)] == 2 for d in partly)
+
+
+def test_where_and_find_round_trip_across_runs(built):
+    result = built[3]
+    train = result.split("train")
+    positions = np.array([3, 639, 640, 700, 959, 960, 1279])
+    for origin in train.where(positions):
+        assert origin.position in train.find(origin.prefix, origin.pieces[0].document)
+        assert sum(p.length for p in origin.pieces) == train.seq_lengths[origin.dataset] + 1
+
+
+def test_the_dry_run_says_where_each_run_starts(built):
+    _, _, config, _ = built
+    text = config.describe_schedule()
+    assert "length runs" in text and "seq_length 256" in text
+    assert text.count("store0: phases") == 3 and "store1: phases" not in text
+
+
+def test_the_audit_counts_each_runs_tokens_and_summarises_stores(built, tmp_path):
+    from tokenloom.serve import BatchGeometry, MixtureAudit, RankLoader, read_audit_log, summarize_audit
+
+    _, _, config, result = built
+    plan, train = config.schedule_plan(), result.split("train")
+    path = tmp_path / "audit.jsonl"
+    loader = RankLoader(train, BatchGeometry(global_batch_size=16, micro_batch_size=8, dp=2), rank=0,
+                        audit=MixtureAudit(path))
+    widths = {tuple(batch["tokens"].shape) for batch in loader}
+    assert widths == {(8, SEQ), (8, LONG)}
+    log = read_audit_log(path)
+    assert log.header["seq_lengths"] == [SEQ, LONG, SEQ, SEQ, LONG]
+    last = log.records[-1]
+    tokens = [sum(int(plan.counts[k, d]) * plan.seq_lengths[k] for k in range(3)) for d in range(3)]
+    by_store = {row["dataset"]: row for row in summarize_audit(log)}
+    assert [by_store[p]["tokens"] for p in config.schedule_stores.prefixes] == tokens
+    assert sum(last["cumulative_tokens"]) == sum(tokens)
+    assert max(abs(d) for r in log.records for d in r["drift"]) < 0.05
+
+
+def test_a_rebuild_takes_everything_from_the_cache(built):
+    _, values, _, result = built
+    again = tokenloom.build(values)
+    assert again.build_key == result.build_key and not again.built_keys
+
+
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
+    pytest.importorskip("torch.distributed")
+    root, values, _, result = built
+    (tmp_path / "out").mkdir()
+    outcomes = [r["steps"][0] for r in launch(2, [{"config": {**values, "cache_dir": str(tmp_path / "two")}}],
+                                              tmp_path / "out", timeout_s=240)]
+    assert all(o["ok"] for o in outcomes), outcomes
+    assert {o["build_key"] for o in outcomes} == {result.build_key}
+    assert cache_files(tmp_path / "two") == cache_files(root / "cache")
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"mode": "exact"}, "mode: exact"),
+    ({"packing": "best_fit"}, "packing: best_fit"),
+    ({"headroom": 0.1}, "headroom"),
+    ({"max_epochs": 3}, "max_epochs"),
+])
+def test_what_length_runs_do_not_build_yet_is_refused_naming_the_phase(tmp_path, changes, key):
+    config = _config(str(tmp_path / "stores"), tmp_path / "cache", **changes)
+    with pytest.raises(ConfigError, match=f"phase 2: seq_length: {LONG} .*{key}"):
+        build_config_from_dict(config)
