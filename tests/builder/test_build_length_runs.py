@@ -183,9 +183,25 @@ def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
     ({"mode": "exact"}, "mode: exact"),
     ({"packing": "best_fit"}, "packing: best_fit"),
     ({"headroom": 0.1}, "headroom"),
-    ({"max_epochs": 3}, "max_epochs"),
 ])
 def test_what_length_runs_do_not_build_yet_is_refused_naming_the_phase(tmp_path, changes, key):
     config = _config(str(tmp_path / "stores"), tmp_path / "cache", **changes)
     with pytest.raises(ConfigError, match=f"phase 2: seq_length: {LONG} .*{key}"):
         build_config_from_dict(config)
+
+
+def test_max_epochs_caps_the_tokens_a_stores_runs_read(built, tmp_path):
+    """store0's runs read 1.34 epochs of its train documents (tokens, at two lengths): a cap above
+    builds; one below is refused naming the store and the phase where its tokens pass the cap."""
+    _, values, config, result = built
+    plan = config.schedule_plan()
+    store = result.split("train").readers[0].store
+    begin, end = split_document_ranges("90,8,2", store.num_sequences)[0]
+    epoch = int(np.asarray(store.sequence_lengths[begin:end]).sum()) - 1  # input tokens: less the extra one
+    read = np.cumsum([int(plan.counts[k, 0]) * plan.seq_lengths[k] for k in range(3)])
+    capped = tokenloom.build({**values, "max_epochs": {values["phases"][0]["blend"][1]: 1.5}})
+    assert capped.split("train").seq_lengths.tolist() == [SEQ, LONG, SEQ, SEQ, LONG]
+    cap = (read[1] + 1) / epoch  # phase 2 fits, phase 3 does not
+    with pytest.raises(ConfigError, match=rf"store0'.* reads {read[2]:,} tokens .* end of phase 3 .* more than the "
+                                          rf"{int(cap * epoch):,} its max_epochs allows"):
+        tokenloom.build({**values, "max_epochs": cap, "cache_dir": str(tmp_path / "cache")})

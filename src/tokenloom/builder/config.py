@@ -26,6 +26,7 @@ import yaml
 from tokenloom.builder.schedule import (
     PhaseSpec,
     batch_size_steps,
+    check_token_room,
     epoch_room,
     format_length_runs,
     format_schedule,
@@ -379,13 +380,11 @@ class BuildConfig:
                     f"concatenated samples (FORMAT.md 'Length runs'), not yet with mode: {self.mode} and "
                     f"packing: {self.packing}: drop seq_length from phase {k} or use mode: stateless, "
                     "packing: concat")
-            for key, unset in (("headroom", 0.0), ("max_epochs", None)):
-                if getattr(self, key) != unset:
-                    raise ConfigError(
-                        f"phase {k}: seq_length: {phase.seq_length} with {key}; a store whose sequence length "
-                        f"changes reads its runs end to end from one token stream (FORMAT.md 'Length runs'), "
-                        f"so no run has room to grow into, and {key} is not yet counted in tokens: drop {key} "
-                        f"or seq_length from phase {k}")
+            if self.headroom:
+                raise ConfigError(
+                    f"phase {k}: seq_length: {phase.seq_length} with headroom; a store whose sequence length "
+                    "changes reads its runs end to end from one token stream (FORMAT.md 'Length runs'), so no "
+                    f"run has room to grow into: drop headroom or seq_length from phase {k}")
         steps = self.batch_size_steps
         if steps is None:
             raise ConfigError("phases without global_batch_size; a phase ends at an optimizer step's end and "
@@ -450,15 +449,22 @@ class BuildConfig:
                      f"{buffer}{cap}: room for weight changes at run time")
         return text
 
-    def check_max_epochs(self, samples_per_epoch: Mapping[str, int]) -> None:
+    def check_max_epochs(self, samples_per_epoch: Mapping[str, int],
+                         tokens_per_epoch: Mapping[str, int] | None = None) -> None:
         """ConfigError naming the store and the phase where the train split needs more samples
         of a store than ``max_epochs`` epochs of its train documents hold (``samples_per_epoch``:
         by store, those the caller knows). The train split's need is the schedule's, or a
-        weighted blend's largest-remainder counts over train_samples (one phase)."""
+        weighted blend's largest-remainder counts over train_samples (one phase). A schedule that
+        changes the sequence length counts in tokens (``tokens_per_epoch``: the input tokens of
+        an epoch, its tokens less the extra one), as its length runs read them."""
         if self.max_epochs is None:
             return
         if self.phases is not None:
             union, plan, _ = self._schedule_parts()
+            if has_length_runs(plan):
+                room = epoch_room(self.max_epochs, union.prefixes, tokens_per_epoch or {})
+                check_token_room(plan, room, names=union.spelt())
+                return
         else:
             blend, size = self.blend_for_split(0), self.train_samples
             if blend is None or blend.weights is None or not size:

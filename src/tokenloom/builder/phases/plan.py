@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tokenloom.builder.collective import Failure, agree, failure_from
 from tokenloom.builder.context import BuildContext
-from tokenloom.builder.items import BuildPlan, assign_work, resolve_items, train_samples_per_epoch
+from tokenloom.builder.items import BuildPlan, assign_work, resolve_items, split_ranges, train_samples_per_epoch
 from tokenloom.builder.starts import StartRecord
 from tokenloom.io.space import check_space
 
@@ -29,13 +29,28 @@ def plan_from_record(ctx: BuildContext, record: StartRecord) -> Planned:
     return plan, nodes, {writer: keys for writer in writers}
 
 
+def train_tokens_per_epoch(ctx: BuildContext) -> dict[str, int]:
+    """Input tokens of an epoch of each train store's train documents (its tokens less the extra
+    one): what ``max_epochs`` caps when a schedule's length runs read a store as tokens."""
+    blend = ctx.config.blend_for_split(0)
+    extra = int(ctx.config.add_extra_token)
+    out = {}
+    for prefix in () if blend is None else blend.prefixes:
+        info = ctx.infos.get(prefix)
+        bounds = None if info is None else split_ranges(ctx.config, info.num_sequences, prefix)[0]
+        if bounds is not None:
+            out[prefix] = max(0, info.tokens_in(*bounds) - extra)
+    return out
+
+
 def make_plan(ctx: BuildContext) -> Planned:
     """The plan of the stores' infos and the chunks' counts, after every writer looked in its
     cache and checked its disk (not on a dry run). A train split that needs more of a store than
     its ``max_epochs`` allows raises the ConfigError on every rank alike, with no collective: each
     computes it from the same gathered infos."""
     pack_samples = {key: stats["num_samples"] for key, stats in ctx.pack_stats.items()}
-    ctx.config.check_max_epochs(train_samples_per_epoch(ctx.config, ctx.infos, pack_samples))
+    ctx.config.check_max_epochs(train_samples_per_epoch(ctx.config, ctx.infos, pack_samples),
+                                train_tokens_per_epoch(ctx))
     failure = None
     items = splits = None
     mine: set[str] | None = None
