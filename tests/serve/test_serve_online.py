@@ -220,3 +220,24 @@ def test_a_change_on_a_stateless_blend_counts_what_came_before_in_closed_form(tm
     located, _ = seeded.lookup(np.arange(3000, dtype=np.int64))
     for position in (0, 1, 63, 64, 65, 999, 3000):
         assert np.array_equal(_blend_prefix_counts(seeded, position), np.bincount(located[:position], minlength=3))
+
+
+def test_the_state_holds_each_decision_once_and_a_schema_2_history_still_loads(split):
+    """The history in the state is ``[step, position]``: the weights are the blend segment's there
+    (in the sampler's state), not held twice; a history saved with its weights reads back as them."""
+    loader = _loader(split, dp=1, micro=16)
+    _run(loader, 20)
+    state = json.loads(json.dumps(loader.state_dict()))
+    steps = [step for step, _ in loader.mixing.history]
+    positions = [segment["start"] for segment in state["blend_segments"]]
+    assert state["online_mixing"]["history"] == [[step, step * G] for step in steps] and positions == [
+        step * G for step in steps]
+    assert [w for _, w in loader.mixing.history] == [s.weights for s in loader.stream.segments]
+    old = {**state["online_mixing"], "history": [[step, list(w)] for step, w in loader.mixing.history]}
+    plain = [{"start": s.start, "weights": list(s.weights), "dataset_offsets": list(s.dataset_offsets)}
+             for s in loader.stream.segments]
+    again = _loader(split, dp=2, micro=8)
+    again.load_state_dict({**state, "schema_version": 2, "blend_segments": plain, "online_mixing": old})
+    assert again.stream.segments == loader.stream.segments
+    assert again.mixing.history == loader.mixing.history
+    assert again.state_dict()["online_mixing"]["history"] == old["history"]

@@ -47,6 +47,7 @@ import heapq
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -508,12 +509,14 @@ class Blend:
         safe = np.maximum(self._node_count, 1)
         self._ratio = self._left_count / safe  # (nodes,) float64, C_a / C_v
         self._half = (self._node_count // 2) / safe  # (nodes,) float64, h_v / C_v
-        self.prefix_bound: np.ndarray = _prefix_bounds(
-            self.counts, self._node_count, self._left, self._right, self._root
-        )
-        """``(D,)`` float64: every prefix of length L holds dataset d within this many samples of
-        ``L * counts[d] / size`` (always < 2; 0 for datasets without samples)."""
         self._window_keys = None if seed is None else _window_keys(int(seed), _WINDOW_ROUNDS)
+
+    @cached_property
+    def prefix_bound(self) -> np.ndarray:
+        """``(D,)`` float64: every prefix of length L holds dataset d within this many samples of
+        ``L * counts[d] / size`` (always < 2; 0 for datasets without samples). Computed on first
+        use: a walk of every dataset's path, which reading the blend never needs."""
+        return _prefix_bounds(self.counts, self._node_count, self._left, self._right, self._root)
 
     @property
     def num_datasets(self) -> int:

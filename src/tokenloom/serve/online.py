@@ -153,8 +153,11 @@ class OnlineMixing:
             raise ConfigError(f"min_weight={min_weight!r}; expected a fraction in [0, 1)")
         self.controller = controller
         self.every, self.lag, self.min_weight = int(every), int(lag), float(min_weight)
-        self.history: list[tuple[int, tuple[float, ...]]] = []
-        """``(step, weights)`` of every decision, in order: the step the weights take effect."""
+        self._decisions: list[tuple[int, int | tuple[float, ...]]] = []
+        """``(step, position)`` of every decision, in order: the step the weights take effect and
+        the underlying stream position where its blend segment starts (the weights are the
+        segment's, not held twice). A state of schema 2 gives ``(step, weights)`` instead."""
+        self._sampler = None
         self._tokens: np.ndarray | None = None
         self._loss_sums: np.ndarray | None = None
         self._reported = 0
@@ -211,7 +214,8 @@ class OnlineMixing:
             self.controller.load_state_dict(before)
             raise
         sampler.stream = stream
-        self.history.append((step, tuple(float(w) for w in weights)))
+        self._sampler = sampler  # the history reads the weights from its stream
+        self._decisions.append((step, int(stream.segments[-1].start)))
         self._tokens[:], self._loss_sums[:] = 0.0, 0.0
         return True
 
@@ -232,11 +236,13 @@ class OnlineMixing:
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready: the controller's state, the window so far, the steps reported, the history."""
+        """JSON-ready: the controller's state, the window so far, the steps reported, the history
+        (``[step, position]`` per decision: its weights are the blend segment's there, in the
+        sampler's state)."""
         return {"every": self.every, "lag": self.lag, "min_weight": self.min_weight, "reported": self._reported,
                 "window_tokens": None if self._tokens is None else self._tokens.tolist(),
                 "window_loss_sums": None if self._loss_sums is None else self._loss_sums.tolist(),
-                "history": [[step, list(weights)] for step, weights in self.history],
+                "history": [[step, list(at) if isinstance(at, tuple) else at] for step, at in self._decisions],
                 "controller": self.controller.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -250,7 +256,8 @@ class OnlineMixing:
             self._tokens = None if state["window_tokens"] is None else np.asarray(state["window_tokens"], np.float64)
             self._loss_sums = (None if state["window_loss_sums"] is None
                                else np.asarray(state["window_loss_sums"], np.float64))
-            self.history = [(int(step), tuple(float(w) for w in weights)) for step, weights in state["history"]]
+            self._decisions = [(int(step), tuple(float(w) for w in at) if isinstance(at, list) else int(at))
+                               for step, at in state["history"]]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"serving state: malformed online_mixing ({exc!r})") from None
         self.controller.load_state_dict(state["controller"])
@@ -258,6 +265,16 @@ class OnlineMixing:
     def attach(self, sampler) -> None:
         """Start with ``sampler`` (a fresh run): the steps it has served count as reported."""
         self._reported = sampler.step
+        self._sampler = sampler
+
+    @property
+    def history(self) -> list[tuple[int, tuple[float, ...]]]:
+        """``(step, weights)`` of every decision, in order: the step the weights take effect and
+        the (normalised) weights its blend segment serves from there."""
+        if self._sampler is None:  # nothing decided yet, or a schema-2 state not yet attached
+            return [(step, at) for step, at in self._decisions if isinstance(at, tuple)]
+        changes = self._sampler.stream.changes
+        return [(step, at if isinstance(at, tuple) else changes.target_at(at)) for step, at in self._decisions]
 
 
 __all__ = ["ExponentiatedGradient", "MixingController", "OnlineMixing"]

@@ -34,8 +34,8 @@ class SampleStream:
         leading segments), whose work is then taken over."""
         self.source = source
         segments = tuple(segments)
-        if changes is None or len(changes.segments) != len(segments) or \
-                any(a is not b for a, b in zip(changes.segments, segments)):
+        if changes is None or (changes.segments is not segments and (
+                len(changes.segments) != len(segments) or any(a is not b for a, b in zip(changes.segments, segments)))):
             changes = WeightChanges(source, segments, reuse=changes)
         self.changes = changes
         """The underlying stream: the source and its weight changes."""
@@ -194,10 +194,13 @@ class SampleStream:
         for d, parts in by_dataset.items():
             sample_ids = np.unique(np.concatenate(parts))
             for begin, end, k in self.changes.source_regions():
+                if end <= start:
+                    continue
                 shifted = sample_ids if k is None else sample_ids - self.changes.shift(k)[d]
                 base = positions_of(self.source, d, shifted[shifted >= 0])  # exact mode: one pass over the blend
                 out.append(base[(base >= begin) & (base < end)])
-            for k, segment in enumerate(self.segments):
+            for k in self.changes.segments_ending_after(start):  # those before `start` hold nothing to take out
+                segment = self.segments[k]
                 blend, offsets = self.changes.segment_blend(k)
                 local = sample_ids - offsets[d]
                 local = local[(local >= 0) & (local < int(blend.counts[d]))]

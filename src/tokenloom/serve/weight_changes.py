@@ -30,6 +30,10 @@ Skips and quarantines sit on top of this stream (:mod:`tokenloom.serve.stream`).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +43,40 @@ from tokenloom.index.blend import Blend, largest_remainder_counts
 from tokenloom.source import SampleSource
 
 _COUNT_CHUNK = 1 << 22
+_LOOKUP_COUNT = 1 << 16
+"""Up to this many positions a prefix of a segment's blend is counted by looking its positions up
+(a segment cut short by the next change holds the few steps between two decisions); longer
+prefixes walk each dataset's path (:meth:`Blend.samples_before`), whose one-off set-up costs as
+much as looking up about this many positions."""
+
+_BLENDS_KEPT = 64
+"""Blends of segments kept built (each holds its tree, O(datasets)); a series of changes reads
+only the last few, so thousands of changes do not hold thousands of trees."""
+
+PACKING = "le-shuffled-zlib-base64"
+"""How :meth:`BlendSegment.to_dict` writes its arrays: little-endian float64 weights and int64
+offsets, byte ``k`` of every value together (the high bytes of like numbers then compress),
+deflated (zlib) and in base64: exact, JSON-safe, a third of the decimal lists' size."""
+
+
+def pack_array(values, dtype: str) -> str:
+    """``values`` as :data:`PACKING` text (``dtype``: ``"<f8"`` or ``"<i8"``)."""
+    raw = np.ascontiguousarray(values, dtype=np.dtype(dtype))  # (n,)
+    columns = raw.view(np.uint8).reshape(-1, raw.itemsize).T  # (itemsize, n): byte k of every value
+    return base64.b64encode(zlib.compress(columns.tobytes(), 6)).decode("ascii")
+
+
+def unpack_array(text: str, dtype: str) -> np.ndarray:
+    """Inverse of :func:`pack_array`: ``(n,)`` of ``dtype``; ConfigError on text it did not write."""
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        raw = zlib.decompress(base64.b64decode(text, validate=True))
+    except (TypeError, ValueError, binascii.Error, zlib.error) as exc:
+        raise ConfigError(f"a packed array {str(text)[:40]!r}...: {exc}; expected {PACKING} text") from None
+    if len(raw) % itemsize:
+        raise ConfigError(f"a packed array of {len(raw)} bytes; expected whole {dtype} values")
+    columns = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, -1)  # (itemsize, n)
+    return np.ascontiguousarray(columns.T).view(np.dtype(dtype)).reshape(-1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,14 +91,28 @@ class BlendSegment:
     """Samples each dataset had given before ``start``; the segment continues from there."""
 
     def to_dict(self) -> dict:
-        """JSON-ready form (stored in the serving state)."""
-        return {"start": self.start, "weights": list(self.weights), "dataset_offsets": list(self.dataset_offsets)}
+        """JSON-ready form (stored in the serving state), its arrays packed (:data:`PACKING`)."""
+        return {"start": self.start, "packed": PACKING, "weights": pack_array(self.weights, "<f8"),
+                "dataset_offsets": pack_array(self.dataset_offsets, "<i8")}
 
     @classmethod
     def from_dict(cls, data: dict) -> BlendSegment:
-        """Inverse of :meth:`to_dict`."""
-        return cls(start=int(data["start"]), weights=tuple(float(w) for w in data["weights"]),
-                   dataset_offsets=tuple(int(o) for o in data["dataset_offsets"]))
+        """Inverse of :meth:`to_dict`; also reads the plain lists of serving-state schema 2."""
+        try:
+            packing = data.get("packed")
+            if packing is None:  # schema 2: decimal lists
+                weights = tuple(float(w) for w in data["weights"])
+                offsets = tuple(int(o) for o in data["dataset_offsets"])
+            elif packing == PACKING:
+                weights = tuple(unpack_array(data["weights"], "<f8").tolist())
+                offsets = tuple(unpack_array(data["dataset_offsets"], "<i8").tolist())
+            else:
+                raise ConfigError(f"a blend segment packed as {packing!r}; this tokenloom reads {PACKING!r} "
+                                  "(serving-state schema 3) or plain lists (schema 2)")
+            return cls(start=int(data["start"]), weights=weights, dataset_offsets=offsets)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"serving state: malformed blend segment ({exc!r}); expected {{start, packed, "
+                              "weights, dataset_offsets}") from None
 
 
 def count_samples(position: int, locate, num_datasets: int) -> np.ndarray:
@@ -73,15 +125,59 @@ def count_samples(position: int, locate, num_datasets: int) -> np.ndarray:
     return counts
 
 
+class _Segment:
+    """What segment ``k`` of a stream derives from the segment alone: its offsets as an array, its
+    blend's length and counts, the blend once read. Kept while index ``k`` holds the same segment
+    object, so every later change (each a new :class:`WeightChanges`) takes it over."""
+
+    __slots__ = ("blend", "counts", "length", "offsets", "segment")
+
+    def __init__(self, segment: BlendSegment, length: int) -> None:
+        self.segment = segment
+        self.offsets = np.asarray(segment.dataset_offsets, dtype=np.int64)  # (D,)
+        self.length = int(length)
+        self.counts: np.ndarray | None = None
+        self.blend: Blend | None = None
+
+
+class _Shared:
+    """The work every :class:`WeightChanges` of one source shares with the changes made from it:
+    per segment index a :class:`_Segment`, and the source's counts at phase ends."""
+
+    def __init__(self, source: SampleSource, schedule) -> None:
+        self.segments: dict[int, _Segment] = {}
+        self.built: OrderedDict[int, _Segment] = OrderedDict()
+        """The segments whose blend is built, the most recently read last: at most
+        :data:`_BLENDS_KEPT` (serving reads the last few; an older one is built again if read)."""
+        self.source_counts: dict[int, np.ndarray] = {}
+        self.room = np.array([d.num_samples for d in source.datasets], dtype=np.int64)  # (D,)
+        self.boundaries = None
+        if schedule is not None:  # exact mode: megatron-core sizes the last phase a little past its end
+            self.boundaries = np.asarray(schedule.plan.boundaries, dtype=np.int64).copy()
+            self.boundaries[-1] = max(int(self.boundaries[-1]), source.num_samples)
+
+
+# long: one rule (a change replaces its phase's weights and every store reads on from its real
+# count), whose lookups, counts at a change, room checks and resume checks all read the same
+# per-segment state shared along a series of changes; split apart they would pass it around.
 class WeightChanges:
     """The underlying stream: a source and the segments that changed its weights (see the
-    module's docstring). Positions here are *underlying* ones."""
+    module's docstring). Positions here are *underlying* ones.
+
+    A change costs O(datasets) whatever came before (and a copy of the segments' start positions):
+    :meth:`changed` takes over the work of the segments it keeps, counts the prefix of the segment
+    it cuts short, and checks the new segment's room from its blend's counts (no walk of its
+    tree). Built from stored segments (a resume), the cost is linear in the changes: a segment cut
+    short by the next change continues into it, so its counts at the cut are the next segment's
+    offsets, checked against its blend when that is first read (:meth:`segment_blend`); no blend
+    is built before it is read.
+    """
 
     def __init__(self, source: SampleSource, segments: tuple[BlendSegment, ...] = (), *,
-                 reuse: WeightChanges | None = None) -> None:
+                 reuse: WeightChanges | None = None, shared: int | None = None) -> None:
         """``reuse``: changes of the same source whose leading segments these share (the same
-        objects): their blends, shifts and room checks are taken over, not redone, so a series
-        of changes costs O(datasets) each, not O(changes x datasets)."""
+        objects): their blends, shifts and room checks are taken over, not redone. ``shared``:
+        how many lead (known to the caller, so not compared)."""
         self.source = source
         self.segments = tuple(segments)
         self.schedule = getattr(source, "schedule", None)
@@ -89,30 +185,66 @@ class WeightChanges:
         self.num_samples = source.num_samples
         """Positions of the underlying stream: fewer than the source's after a weight change on a
         single blend when a dataset's index runs out."""
-        num_datasets = len(source.datasets)
-        for k, segment in enumerate(self.segments):
-            if len(segment.weights) != num_datasets:
-                raise ConfigError(f"a blend segment has {len(segment.weights)} weights; the source has "
-                                  f"{num_datasets} datasets")
-            if k and segment.start <= self.segments[k - 1].start:
-                raise ConfigError("blend segments must start at increasing positions")
-        self._starts = np.array([s.start for s in self.segments], dtype=np.int64)
-        self._blends: dict[int, tuple[Blend, np.ndarray]] = {}
-        self._ends = np.append(self._starts[1:], source.num_samples)  # where each segment stops serving
-        self._phase_ends = self._ends
-        self._shifts = np.zeros((len(self.segments), num_datasets), dtype=np.int64)
-        shared = 0  # leading segments taken over from `reuse`
-        if reuse is not None and reuse.source is source:
+        if reuse is None or reuse.source is not source:
+            reuse, shared = None, 0
+        elif shared is None:
+            shared = 0
             while shared < min(len(reuse.segments), len(self.segments)) and \
                     reuse.segments[shared] is self.segments[shared]:
                 shared += 1
-            self._blends = {k: blend for k, blend in reuse._blends.items() if k < shared}
-            # the last shared segment may end elsewhere now (a later change came or went)
-            self._shifts[:max(shared - 1, 0)] = reuse._shifts[:max(shared - 1, 0)]
-        if self.segments and self.schedule is not None:
-            self._plan_phase_segments(first=max(shared - 1, 0))
-        elif self.segments:
-            self.num_samples = self._usable_length()
+        self._work = reuse._work if reuse is not None else _Shared(source, self.schedule)
+        num_datasets = len(source.datasets)
+        for segment in self.segments[shared:]:
+            if len(segment.weights) != num_datasets or len(segment.dataset_offsets) != num_datasets:
+                raise ConfigError(f"a blend segment has {len(segment.weights)} weights and "
+                                  f"{len(segment.dataset_offsets)} dataset offsets; the source has {num_datasets} "
+                                  "datasets")
+        total = source.num_samples
+        new_starts = np.array([s.start for s in self.segments[shared:]], dtype=np.int64)
+        self._starts = new_starts if reuse is None else np.concatenate([reuse._starts[:shared], new_starts])  # (n,)
+        if (np.diff(self._starts[max(shared - 1, 0):]) <= 0).any():
+            raise ConfigError("blend segments must start at increasing positions")
+        following = np.append(self._starts[1:], total)  # where each segment stops serving without a phase end
+        self._gap_shifts: dict[int, np.ndarray] = {}
+        """Segment ``k`` -> what the source's sample numbers move by after its phase end, for the
+        segments the source follows before the next change (schedules only)."""
+        self._ended_in: int | None = None
+        """Single blend: the segment whose blend runs out before its end (the stream ends there)."""
+        first = 0 if reuse is None else max(shared - 1, 0)  # the first segment whose end may have moved
+        if self.schedule is None:
+            self._phase_ends = self._ends = following
+            self._check_offsets(shared)
+            if reuse is not None and reuse._ended_in is not None and reuse._ended_in < first:
+                self._ended_in, self.num_samples = reuse._ended_in, reuse.num_samples
+            else:
+                self._find_end(first)
+            return
+        if self.segments and self._starts[-1] >= total:
+            raise ConfigError(f"a weight change at position {int(self._starts[-1])}; the split serves [0, {total}), so "
+                              "expected a position before its end")
+        boundaries = self._work.boundaries
+        new_ends = boundaries[np.searchsorted(boundaries, new_starts, side="right")]
+        self._phase_ends = new_ends if reuse is None else np.concatenate([reuse._phase_ends[:shared], new_ends])
+        self._ends = np.minimum(self._phase_ends, following)
+        self._check_offsets(shared)
+        if reuse is not None:  # the segments before `first` end where they ended
+            self._gap_shifts = {k: shift for k, shift in reuse._gap_shifts.items() if k < first}
+        self._plan_phase_segments(first)
+
+    def _check_offsets(self, first: int) -> None:
+        """Segments ``first`` on continue from the one before: offsets that count one sample per
+        position before the start, none fewer than the segment before's (a state of another
+        stream fails here)."""
+        previous = self._segment(first - 1).offsets if first else None
+        for k in range(first, len(self.segments)):
+            entry = self._segment(k)
+            offsets, start = entry.offsets, entry.segment.start
+            if int(offsets.sum()) != start or (offsets < (0 if previous is None else previous)).any():
+                raise ConfigError(f"the blend segment at position {start} continues the datasets from samples "
+                                  f"summing to {int(offsets.sum())}, or from fewer than the segment before; expected "
+                                  "one sample per position before it, and no count lower than the last one's: "
+                                  "the segments do not belong to this stream")
+            previous = offsets
 
     # -- lookups --------------------------------------------------------------------------------
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,8 +260,9 @@ class WeightChanges:
         if base.any():
             dataset_ids[base], sample_ids[base] = self.source.locate(positions[base])
             after = base & (which >= 0)
-            if after.any():
-                sample_ids[after] += self._shifts[which[after], dataset_ids[after]]
+            for k in np.unique(which[after]):
+                mask = after & (which == k)
+                sample_ids[mask] += self.shift(int(k))[dataset_ids[mask]]
         for k in np.unique(which[~base]):
             mask = (which == k) & ~base
             blend, offsets = self.segment_blend(int(k))
@@ -137,23 +270,63 @@ class WeightChanges:
             dataset_ids[mask], sample_ids[mask] = ids, local_samples + offsets[ids]
         return dataset_ids, sample_ids
 
-    def segment_blend(self, k: int) -> tuple[Blend, np.ndarray]:
-        """Segment ``k``'s blend and each dataset's sample offset in it."""
-        if k not in self._blends:
-            segment = self.segments[k]
-            offsets = np.asarray(segment.dataset_offsets, dtype=np.int64)
+    def _segment(self, k: int) -> _Segment:
+        """Segment ``k``'s derived numbers (made once per segment object, shared by later changes)."""
+        entry = self._work.segments.get(k)
+        segment = self.segments[k]
+        if entry is None or entry.segment is not segment:
             if self.schedule is not None:  # to the phase's end, even where a later change cuts it first
                 length = int(self._phase_ends[k]) - segment.start
             else:
-                room = np.array([d.num_samples for d in self.source.datasets], dtype=np.int64) - offsets
-                length = segment_length(segment.weights, room, self.source.num_samples - segment.start)
-            self._blends[k] = (Blend(np.asarray(segment.weights), length), offsets)
-        return self._blends[k]
+                offsets = np.asarray(segment.dataset_offsets, dtype=np.int64)
+                length = segment_length(segment.weights, self._work.room - offsets,
+                                        self.source.num_samples - segment.start)
+            entry = self._work.segments[k] = _Segment(segment, length)
+        return entry
+
+    def _counts(self, entry: _Segment) -> np.ndarray:
+        """(D,) int64: the samples of each dataset in segment ``entry``'s whole blend
+        (:attr:`Blend.counts`, without building its tree)."""
+        if entry.counts is None:
+            if entry.blend is not None:
+                entry.counts = entry.blend.counts
+            else:  # as Blend does: normalised, then largest remainder
+                w = np.asarray(entry.segment.weights, dtype=np.float64)
+                entry.counts = largest_remainder_counts(w / w.sum(), entry.length)
+        return entry.counts
+
+    def segment_blend(self, k: int) -> tuple[Blend, np.ndarray]:
+        """Segment ``k``'s blend and each dataset's sample offset in it. Built on first read; where
+        the next segment starts inside it, its offsets are checked there against the blend."""
+        entry = self._segment(k)
+        if entry.blend is None:
+            blend = Blend(np.asarray(entry.segment.weights), entry.length)
+            if k + 1 < len(self.segments) and self.segments[k + 1].start <= int(self._ends[k]):
+                cut = self.segments[k + 1].start - entry.segment.start
+                reached = entry.offsets + _prefix_counts(blend, cut)
+                if not np.array_equal(reached, self._segment(k + 1).offsets):
+                    d = int(np.flatnonzero(reached != self._segment(k + 1).offsets)[0])
+                    raise ConfigError(
+                        f"the blend segment at position {self.segments[k + 1].start} continues dataset {d} from "
+                        f"sample {int(self._segment(k + 1).offsets[d])}, but the segment before it reaches sample "
+                        f"{int(reached[d])} there; the segments do not belong to this stream")
+            entry.blend = blend
+        built = self._work.built
+        built[k] = entry
+        built.move_to_end(k)
+        while len(built) > _BLENDS_KEPT:
+            _, oldest = built.popitem(last=False)
+            oldest.blend = None
+        return entry.blend, entry.offsets
 
     def segment_end(self, k: int) -> int:
         """Where segment ``k`` stops serving: the next change, or on a schedule the end of its
         phase if that comes first; else the end of the source."""
         return int(self._ends[k])
+
+    def segments_ending_after(self, position: int) -> range:
+        """Indices of the segments that serve some position at or after ``position``."""
+        return range(int(np.searchsorted(self._ends, position, side="right")), len(self.segments))
 
     def change_holding(self, position: int) -> int | None:
         """The segment serving ``position``, or None (the source serves it)."""
@@ -178,34 +351,39 @@ class WeightChanges:
         """``(begin, end, k)``: the stretches the source serves, before the first change (``k``
         None) and, on a schedule, after segment ``k``'s phase end up to the next change (its
         sample numbers moved by that segment's :meth:`shift`)."""
-        starts = self._starts.tolist()
-        regions = [(0, starts[0] if starts else self.num_samples, None)]
-        if self.schedule is not None:
-            regions += [(int(self._ends[k]), starts[k + 1] if k + 1 < len(starts) else self.num_samples, k)
-                        for k in range(len(starts))]
+        starts = self._starts
+        regions = [(0, int(starts[0]) if starts.shape[0] else self.num_samples, None)]
+        regions += [(int(self._ends[k]), int(starts[k + 1]) if k + 1 < len(starts) else self.num_samples, k)
+                    for k in sorted(self._gap_shifts)]
         return [(a, b, k) for a, b, k in regions if a < b]
 
     def shift(self, k: int) -> np.ndarray:
         """(num_datasets,) int64: what the source's sample numbers move by after segment ``k``."""
-        return self._shifts[k]
+        if k in self._gap_shifts:
+            return self._gap_shifts[k]
+        end = int(self._ends[k])
+        return self._segment_reached(k, end) - self._source_reached(end)
 
     # -- counts ---------------------------------------------------------------------------------
     def reached(self, position: int) -> np.ndarray:
         """(num_datasets,) int64: samples of each dataset in positions ``[0, position)``: from the
-        segment holding it (its offsets and its blend's closed-form prefix count), or from the
-        source (closed form where it has one, its array in exact mode, else one pass), so a series
-        of changes costs no pass over the stream each."""
+        segment holding it (its offsets and a count of its blend's prefix), or from the source
+        (closed form where it has one, its array in exact mode, else one pass), so a series of
+        changes costs no pass over the stream each."""
         k = int(np.searchsorted(self._starts, position, side="right")) - 1
         if k < 0:
             return self._source_reached(position)
         if position <= self._ends[k]:  # inside segment k (or at its end)
             return self._segment_reached(k, position)
-        return self._source_reached(position) + self._shifts[k]
+        return self._source_reached(position) + self.shift(k)
 
     def _segment_reached(self, k: int, position: int) -> np.ndarray:
+        entry = self._segment(k)
+        length = position - entry.segment.start
+        if length == entry.length:
+            return entry.offsets + self._counts(entry)
         blend, offsets = self.segment_blend(k)
-        ids = np.arange(len(self.source.datasets), dtype=np.int64)
-        return offsets + blend.samples_before(ids, np.full(ids.shape, position - self.segments[k].start))
+        return offsets + _prefix_counts(blend, length)
 
     def _source_reached(self, position: int) -> np.ndarray:
         """(num_datasets,) int64: samples of each dataset the *source* serves in ``[0, position)``:
@@ -224,6 +402,13 @@ class WeightChanges:
             return counts
         return count_samples(position, self.source.locate, num_datasets)
 
+    def _source_reached_at_boundary(self, position: int) -> np.ndarray:
+        """:meth:`_source_reached` at a phase end or the source's end, kept (every change asks)."""
+        counts = self._work.source_counts.get(position)
+        if counts is None:
+            counts = self._work.source_counts[position] = self._source_reached(position)
+        return counts
+
     # -- changes --------------------------------------------------------------------------------
     def changed(self, start: int, weights) -> WeightChanges:
         """These changes before ``start``, then ``weights`` from ``start`` on (a change at or after
@@ -234,53 +419,69 @@ class WeightChanges:
                               "expected one weight per dataset, in the build's order")
         if not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
             raise ConfigError(f"weights={w.tolist()}; expected finite non-negative numbers, not all zero")
-        kept = tuple(s for s in self.segments if s.start < start)
+        kept = int(np.searchsorted(self._starts, start, side="left"))  # the segments starting before `start`
         # every dataset continues after its samples before `start`, served or taken out
         segment = BlendSegment(start=start, weights=tuple((w / w.sum()).tolist()),
-                               dataset_offsets=tuple(int(o) for o in self.reached(start)))
-        return WeightChanges(self.source, (*kept, segment), reuse=self)
+                               dataset_offsets=tuple(self.reached(start).tolist()))
+        return WeightChanges(self.source, (*self.segments[:kept], segment), reuse=self, shared=kept)
 
     def _plan_phase_segments(self, first: int = 0) -> None:
         """Segment ends, and the shifts and room of segments ``first`` on, on a mixture schedule
         (see the module's docstring; those before ``first`` were taken over, unchanged)."""
-        total = self.source.num_samples  # exact mode: megatron-core sizes the last phase a little past its end
-        boundaries = np.asarray(self.schedule.plan.boundaries, dtype=np.int64)
-        boundaries[-1] = max(int(boundaries[-1]), total)
-        starts = self._starts
-        if starts[-1] >= total:
-            raise ConfigError(f"a weight change at position {int(starts[-1])}; the split serves [0, {total}), so "
-                              "expected a position before its end")
-        self._phase_ends = boundaries[np.searchsorted(boundaries, starts, side="right")]
-        self._ends = np.minimum(self._phase_ends, self._ends)
-        room = np.array([d.num_samples for d in self.source.datasets], dtype=np.int64)
-        names = [d.name for d in self.source.datasets]
+        total = self.source.num_samples
+        boundaries = self._work.boundaries
+        starts, room = self._starts, self._work.room
+        names = None
         for k in range(first, len(self.segments)):
-            segment = self.segments[k]
+            entry = self._segment(k)
             end = int(self._ends[k])
-            reached = self._segment_reached(k, end)  # by the segment's end (a later change may cut it short)
-            # up to the next segment (or the run's end) the source serves, numbered on by the shift
             stop = int(starts[k + 1]) if k + 1 < len(self.segments) else total
-            self._shifts[k] = reached - self._source_reached(end)
-            needed = self._source_reached(stop) + self._shifts[k] if stop > end else reached
+            # what the segment served by its end (a later change may cut it short)
+            if end == int(self._phase_ends[k]):  # the whole blend
+                reached = entry.offsets + self._counts(entry)
+            elif end == stop and k + 1 < len(self.segments):  # the next one continues from there (checked
+                reached = self._segment(k + 1).offsets      # against this blend when it is read)
+            else:
+                reached = self._segment_reached(k, end)
+            if stop > end:  # up to the next segment (or the run's end) the source serves, numbered on by the shift
+                self._gap_shifts[k] = reached - self._source_reached_at_boundary(end)
+                following = self._source_reached_at_boundary(stop) if stop == total else self._source_reached(stop)
+                needed = following + self._gap_shifts[k]
+            else:
+                needed = reached
             over = np.flatnonzero(needed > room)
             if over.size:
                 d = int(over[0])
+                names = [ds.name for ds in self.source.datasets]
                 phase = int(np.searchsorted(boundaries, max(stop - 1, 0), side="right"))
                 raise ConfigError(
-                    f"dataset {d} ({names[d]!r}): the weight change at position {segment.start} (phase "
-                    f"{int(np.searchsorted(boundaries, segment.start, side='right'))}) would have it serve "
+                    f"dataset {d} ({names[d]!r}): the weight change at position {entry.segment.start} (phase "
+                    f"{int(np.searchsorted(boundaries, entry.segment.start, side='right'))}) would have it serve "
                     f"{int(needed[d])} samples by the end of phase {phase}, more than the {int(room[d])} its index "
                     f"holds (the build sized it for the schedule's own counts and its headroom; "
                     f"{int(reached[d])} by the end of the changed phase): give it less weight, build with more "
                     "headroom, or put the new weights in the schedule's phases and build again")
 
-    def _usable_length(self) -> int:
-        """Positions served before some dataset would need a sample its index does not hold."""
-        for k, segment in enumerate(self.segments):
-            blend, _ = self.segment_blend(k)
-            if segment.start + len(blend) < self._ends[k]:
-                return segment.start + len(blend)
-        return self.source.num_samples
+    def _find_end(self, first: int) -> None:
+        """Single blend: the stream ends in the first segment from ``first`` on whose blend runs out
+        before the next change (a dataset's index would be asked for a sample it lacks)."""
+        for k in range(first, len(self.segments)):
+            entry = self._segment(k)
+            if entry.segment.start + entry.length < self._ends[k]:
+                self._ended_in, self.num_samples = k, entry.segment.start + entry.length
+                return
+
+
+def _prefix_counts(blend: Blend, length: int) -> np.ndarray:
+    """``(D,)`` samples of each dataset among the unseeded ``blend``'s first ``length`` positions:
+    the positions looked up when there are few of them, else the closed form."""
+    if length == len(blend):
+        return blend.counts.copy()
+    if length <= _LOOKUP_COUNT:
+        dataset_ids, _ = blend.lookup(np.arange(length, dtype=np.int64))
+        return np.bincount(dataset_ids, minlength=blend.num_datasets).astype(np.int64)
+    ids = np.arange(blend.num_datasets, dtype=np.int64)
+    return blend.samples_before(ids, np.full(ids.shape, length, dtype=np.int64))
 
 
 def _blend_prefix_counts(blend: Blend, position: int) -> np.ndarray:
@@ -312,4 +513,5 @@ def segment_length(weights, room: np.ndarray, limit: int) -> int:
     return max(length, 0)
 
 
-__all__ = ["BlendSegment", "WeightChanges", "count_samples", "segment_length"]
+__all__ = ["PACKING", "BlendSegment", "WeightChanges", "count_samples", "pack_array", "segment_length",
+           "unpack_array"]
