@@ -313,6 +313,22 @@ class HuggingFaceTokenizer:
         return (int(offsets[position][0]), int(offsets[position][1])) if position < len(offsets) else \
             (len(text), len(text))
 
+    # -- what fill-in-the-middle needs (tokenloom.serve.fim.FimCodec) ----------------------------
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` without special tokens (Megatron-LM's ``ids_to_text(ids,
+        remove_special_tokens=True)``)."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of one ``text`` by the ``tokenizers`` library, no special tokens added (what
+        the store's documents were encoded to, gigatoken or not)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, token: str) -> int | None:
+        """The id of the token spelt ``token``, or None."""
+        found = self._tokenizer.token_to_id(token)
+        return None if found is None else int(found)
+
     def encode_batch_reference(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`encode_batch` by the ``tokenizers`` library, whatever the engine (what
         gigatoken is held to)."""
