@@ -247,20 +247,21 @@ def ranges_blend_in_blocks(greedy, size, bounds, block, path, threads=1):
         for a, b in itertools.pairwise(bounds):
             windows = [(w, min(w + block, b)) for w in range(a, b, block)]
             buffers = (np.empty(block, dtype=greedy.dataset_id_dtype), np.empty(block, dtype=np.int64))
-            counts, states = greedy.guess(a), []
+            counts, states, ends = greedy.guess(a), [], []
             start = counts.copy()
             for w0, w1 in windows:
                 states.append(counts)
                 out = (buffers[0][:w1 - w0], buffers[1][:w1 - w0])
                 counts = greedy.fill(w0, w1, *out, counts=counts, threads=threads).end_counts
+                ends.append(counts)
                 divided._write_block(fd, slots, w0, out)
-            ranges.append([mb.RangeRun(start, counts), windows, states, buffers])
+            ranges.append([mb.RangeRun(start, counts), windows, states, ends, buffers])
         rounds = 0
         while not mb.ranges_settled([r[0] for r in ranges]):
             runs = [r[0] for r in ranges]
-            for k, (run, windows, states, buffers) in enumerate(ranges):
+            for k, (run, windows, states, ends, buffers) in enumerate(ranges):
                 true_start = np.zeros(greedy.num_datasets, dtype=np.int64) if k == 0 else runs[k - 1].end_counts
-                end = divided._repair_blocks(greedy, fd, slots, windows, states, true_start, buffers)
+                end = divided._repair_blocks(greedy, fd, slots, windows, states, ends, true_start, buffers)
                 ranges[k][0] = mb.RangeRun(np.array(true_start), run.end_counts if end is None else end)
             rounds += 1
             assert rounds <= len(ranges)

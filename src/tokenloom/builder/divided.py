@@ -25,6 +25,15 @@ them straight into their place in one file:
    ``packs/`` and writes the pack index last. Until then nothing refers to the file, so an
    interrupted build leaves no pack that looks valid; a failure on any rank removes it.
 
+A schedule's blend (exact mode, several ``phases``) is divided the same way, its phases'
+greedies laid end to end as one run (:class:`~tokenloom.index.schedule_exact.ScheduleGreedy`):
+a rank's windows are its blocks cut again where a phase starts, whose state is exactly zero
+(so a range crossing a phase boundary needs no guess there, and settling stops at it), and it
+writes each greedy's raw ids and sample numbers, which a repair replays. After settling, the
+ranks gather each phase's final counts from the rank that ended it, and step 4 makes each block
+final before hashing it: the split's ids and the samples numbered on across phases (the
+offsets), byte for byte :func:`~tokenloom.builder.exact.build_schedule_arrays`.
+
 Every step ends with :func:`~tokenloom.builder.collective.agree`: a failure anywhere raises the
 same BuildError on every rank, and a killed rank makes the others fail within the group timeout.
 """
@@ -45,10 +54,12 @@ import numpy as np
 
 from tokenloom.builder.cache import Cache, host_record
 from tokenloom.builder.collective import agree, failure_from
+from tokenloom.builder.exact import check_schedule_draws, schedule_greedy
 from tokenloom.builder.items import WorkItem
 from tokenloom.builder.packs import ALIGNMENT, CACHE_FORMAT_VERSION, PACKS_DIR, TMP_DIR, root_digest, write_pack_index
 from tokenloom.errors import BuildError
 from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, ranges_settled
+from tokenloom.index.schedule_exact import ScheduleGreedy, phase_offsets
 from tokenloom.io.writer import fsync_dir
 
 #: The two arrays of a blend, in pack order, and the dtype of the second (the first is
@@ -132,6 +143,8 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
     weights = np.asarray(params["weights"], dtype=np.float64)
     exhaustive = params["size"] is None  # weights are then the datasets' sizes
     size = int(sum(params["weights"])) if exhaustive else int(params["size"])
+    if "schedule" in params:  # its phases' greedies' sizes, the last megatron-sized (not the plan's size)
+        size = item.num_samples
     writer = ctx.writer_of[rank]
     writers = sorted(set(ctx.writer_of.values()))
 
@@ -141,7 +154,13 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
     try:
         if ctx.before_item is not None:
             ctx.before_item(item, rank)
-        greedy = MegatronGreedy.for_sizes(params["weights"]) if exhaustive else MegatronGreedy.for_weights(weights)
+        if "schedule" in params:
+            greedy = schedule_greedy(params)
+            if greedy.size != size:
+                raise BuildError(f"{item.label}: the schedule's greedies make {greedy.size} positions, the item "
+                                 f"{size}; the cache entry was made by another version: build again")
+        else:
+            greedy = MegatronGreedy.for_sizes(params["weights"]) if exhaustive else MegatronGreedy.for_weights(weights)
         slots, total = pack_layout(size, greedy.dataset_id_dtype)
         if rank == writer:
             token = ctx.cache.acquire(item.key)
@@ -178,28 +197,35 @@ def build_divided_blend(ctx: DividedContext, item: WorkItem, bounds: tuple[int, 
     return published
 
 
-def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: MegatronGreedy, slots, path: str,
-                       prepared, writers: list[int], started: float) -> dict[str, Any]:
+def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: MegatronGreedy | ScheduleGreedy, slots,
+                       path: str, prepared, writers: list[int], started: float) -> dict[str, Any]:
     """Steps 2-5 for this rank's range, one block of positions at a time: a rank holds one block of
     both arrays (``blend_block_samples`` positions, 10 MiB at the default), never its whole range,
-    and keeps the greedy's state at each block's start to repair blocks from."""
+    and keeps the greedy's state at each window's start and end to repair windows from. A
+    schedule's windows are the blocks cut again at its phases' starts, where its greedy starts
+    afresh (so one window is one phase's), and its blocks are written raw until step 4."""
     group, rank = ctx.group, ctx.group.rank
     a, b = bounds[rank], bounds[rank + 1]
-    windows = [(w, min(w + ctx.block, b)) for w in range(a, b, ctx.block)]  # whole hash blocks
+    blocks = [(w, min(w + ctx.block, b)) for w in range(a, b, ctx.block)]  # whole hash blocks
+    windows = _windows(blocks, greedy.restarts)
     buffers = (np.empty(min(ctx.block, b - a), dtype=slots[0].dtype), np.empty(min(ctx.block, b - a), dtype=np.int64))
-    states: list[np.ndarray] = []  # (D,) the counts each block's recorded steps started from
+    states: list[np.ndarray] = []  # the state each window's recorded steps started from
+    ends: list[np.ndarray] = []  # ... and the state they ended in
+    schedule = isinstance(greedy, ScheduleGreedy)
     fd = None
     try:
-        # 2. compute this rank's range from a guessed start, block by block, writing each in place
+        # 2. compute this rank's range from a guessed start, window by window, writing each in place
         failure = run = None
         try:
             fd = os.open(path, os.O_RDWR)
             counts = greedy.guess(a)
             start_counts = counts.copy()
             for w0, w1 in windows:
+                counts = greedy.carry(w0, counts)
                 states.append(counts)
                 out_dataset, out_sample = buffers[0][:w1 - w0], buffers[1][:w1 - w0]
                 counts = greedy.fill(w0, w1, out_dataset, out_sample, counts=counts, threads=ctx.threads).end_counts
+                ends.append(counts)
                 _write_block(fd, slots, w0, (out_dataset, out_sample))
             run = RangeRun(start_counts, counts)
         except Exception as exc:
@@ -210,11 +236,11 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
                 for s, e in agree(group, failure, phase="build", payload=payload)]
         # 3. settle: repair each range from the end of the range before, until they agree
         rounds = 0
-        while not ranges_settled(runs):
+        while not ranges_settled(runs, _true_starts(greedy, bounds, runs)):
             failure = None
             try:
-                true_start = np.zeros(greedy.num_datasets, dtype=np.int64) if rank == 0 else runs[rank - 1].end_counts
-                end = _repair_blocks(greedy, fd, slots, windows, states, true_start, buffers)
+                true_start = _true_starts(greedy, bounds, runs)[rank]
+                end = _repair_blocks(greedy, fd, slots, windows, states, ends, true_start, buffers)
                 run = RangeRun(np.array(true_start, dtype=np.int64), runs[rank].end_counts if end is None else end)
             except Exception as exc:
                 failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
@@ -225,20 +251,30 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
             rounds += 1
             if rounds > group.world_size:  # pragma: no cover - each round settles at least one more range
                 raise BuildError(f"{item.label}: the ranges did not settle in {group.world_size} rounds; this is a bug")
-        counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
-        lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)
-        over = np.flatnonzero(counts > lengths)
-        if over.size:
-            d = int(over[0])
-            raise BuildError(f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
-                             f"{int(lengths[d])}; raise mid_level_dataset_surplus (megatron-core fails here too)")
-        # 4. hash the range's blocks as written (and send them to the writers of other nodes)
+        offsets = None
+        if schedule:
+            offsets = _schedule_offsets(ctx, item, greedy, windows, ends)
+            check_schedule_draws(offsets, item.params["schedule"]["served"], item.params["dataset_lengths"])
+        else:
+            counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
+            lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)
+            over = np.flatnonzero(counts > lengths)
+            if over.size:
+                d = int(over[0])
+                raise BuildError(f"the blend asks {int(counts[d])} samples of dataset {d}, whose index holds only "
+                                 f"{int(lengths[d])}; raise mid_level_dataset_surplus (megatron-core fails here too)")
+        # 4. hash the range's blocks as written (a schedule's first made final: its ids over the split's
+        # stores and its samples numbered on), and send them to the writers of other nodes
         failure, digests = None, None
         try:
             digests = [[], []]
-            for w0, w1 in windows:
-                for k, data in enumerate(_read_block(fd, slots, w0, w1, buffers)):
-                    digests[k] += block_digests(data, ctx.block)
+            state_at = dict(zip((w0 for w0, _ in windows), states))  # every block starts a window
+            for w0, w1 in blocks:
+                data = _read_block(fd, slots, w0, w1, buffers)
+                if schedule and greedy.finish(w0, w1, *data, state_at[w0], offsets):
+                    _write_block(fd, slots, w0, data)
+                for k, array in enumerate(data):
+                    digests[k] += block_digests(array, ctx.block)
             os.fsync(fd)
         except Exception as exc:
             failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
@@ -261,24 +297,65 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
     return records[ctx.writer_of[rank]]
 
 
-def _repair_blocks(greedy: MegatronGreedy, fd: int, slots, windows, states: list[np.ndarray],
+def _windows(blocks: list[tuple[int, int]], restarts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The hash blocks cut again at the greedy's ``restarts``: one window never spans a restart."""
+    out = []
+    for w0, w1 in blocks:
+        for cut in restarts:
+            if w0 < cut < w1:
+                out.append((w0, cut))
+                w0 = cut
+        out.append((w0, w1))
+    return out
+
+
+def _true_starts(greedy, bounds, runs: list[RangeRun]) -> list[np.ndarray]:
+    """The state each rank's range must start from, given the ranges before it: the exact state at
+    position 0 for the first, else what the range before ended in, carried over its end (a schedule's phase
+    starts afresh)."""
+    return [greedy.guess(0) if r == 0 else greedy.carry(bounds[r], runs[r - 1].end_counts) for r in range(len(runs))]
+
+
+def _schedule_offsets(ctx: DividedContext, item: WorkItem, greedy: ScheduleGreedy, windows, ends) -> np.ndarray:
+    """``(P + 1, D)`` the schedule's offsets, the same on every rank: each phase's final counts come
+    from the rank whose range holds the phase's last position (its window ending there, settled)."""
+    group, rank = ctx.group, ctx.group.rank
+    failure, finished = None, None
+    try:
+        phase_at_end = {end: k for k, end in enumerate(greedy.phase_ends)}
+        finished = {phase_at_end[w1]: ends[j] for j, (_, w1) in enumerate(windows) if w1 in phase_at_end}
+    except Exception as exc:  # pragma: no cover - dictionaries of states in memory
+        failure = failure_from(exc, rank=rank, phase="build", item=item.label, folder=ctx.cache.root,
+                               needed=ctx.cache.expected_bytes)
+    end_states = {}
+    for part in agree(group, failure, phase="build", payload=finished):
+        end_states.update(part)
+    missing = sorted(set(range(len(greedy.phases))) - set(end_states))
+    if missing:  # pragma: no cover - every phase's last position lies in one rank's range
+        raise BuildError(f"{item.label}: no rank ended phase {missing[0] + 1}; this is a bug")
+    return phase_offsets(greedy.phase_counts(end_states))
+
+
+def _repair_blocks(greedy, fd: int, slots, windows, states: list[np.ndarray], ends: list[np.ndarray],
                    true_start: np.ndarray, buffers) -> np.ndarray | None:
-    """Make the range megatron's steps from ``true_start``, block by block: each block is repaired
-    from the true state at its start (``MegatronGreedy.repair`` against the state it was recorded
-    from) until a block's true and recorded states meet, after which the rest of the range is
-    already right. ``states`` is updated to what the blocks now hold. Returns the range's new end
-    state, or None when it is unchanged."""
+    """Make the range megatron's steps from ``true_start``, window by window: each is repaired
+    from the true state at its start (``repair`` against the state it was recorded from) until a
+    window's true and recorded states meet, after which the rest of the range is already right
+    (a schedule's meet at the next phase's start at the latest). ``states`` and ``ends`` are
+    updated to what the windows now hold. Returns the range's new end state, or None when it is
+    unchanged."""
     counts = np.array(true_start, dtype=np.int64)
     for k, (w0, w1) in enumerate(windows):
+        counts = greedy.carry(w0, counts)
         if np.array_equal(counts, states[k]):
-            return None  # the runs meet at this block's start: from here the recorded run is the true one
+            return None  # the runs meet at this window's start: from here the recorded run is the true one
         out_dataset, out_sample = _read_block(fd, slots, w0, w1, buffers)
         end = greedy.repair(w0, w1, counts, states[k], out_dataset, out_sample)
         _write_block(fd, slots, w0, (out_dataset, out_sample))
         states[k] = counts
         if end is None:
-            return None  # they met inside this block
-        counts = end
+            return None  # they met inside this window
+        ends[k] = counts = end
     return counts
 
 

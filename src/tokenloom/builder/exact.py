@@ -25,7 +25,7 @@ from tokenloom.errors import BuildError
 from tokenloom.index.epochs import EpochPlan, plan_epochs
 from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
 from tokenloom.index.megatron_gpt import build_document_index, build_sample_index, build_shuffle_index
-from tokenloom.index.schedule_exact import exact_phase_blends
+from tokenloom.index.schedule_exact import ScheduleGreedy, exact_phase_blends, plan_exact_phases
 from tokenloom.index.split import DocumentRange, document_ids
 from tokenloom.io import IndexedDataset
 
@@ -123,8 +123,10 @@ def build_blend_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[s
 
 
 def build_schedule_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dict[str, np.ndarray]:
-    """The train blend of an exact schedule build: each phase's megatron-core greedy over its
-    active datasets (:func:`tokenloom.index.schedule_exact.exact_phase_blends`), laid end to end.
+    """The train blend of an exact schedule build in one process: each phase's megatron-core greedy
+    over its active datasets (:func:`tokenloom.index.schedule_exact.exact_phase_blends`), laid end
+    to end. The build divides the same arrays over its ranks (:func:`schedule_greedy`, run by
+    :mod:`tokenloom.builder.divided`); this is their one-process reference.
 
     ``dataset_index`` ``(N,)`` int16 (int32 from 32767 datasets) numbers the split's datasets
     (the schedule's ``served``, in the split's order), as megatron-core's does; ``dataset_sample_index``
@@ -135,16 +137,7 @@ def build_schedule_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dic
     served = np.asarray(params["schedule"]["served"], dtype=np.int64)  # (D_split,) union ids
     blends = exact_phase_blends(plan, backend="python" if plan.num_samples < SMALL_BLEND_SAMPLES else "auto",
                                 threads=threads)
-    totals = blends.offsets[-1]  # (D_union,) samples drawn of each dataset over the run
-    lengths = np.zeros(plan.num_datasets, dtype=np.int64)  # (D_union,) 0 for a dataset the split skips
-    lengths[served] = np.asarray(params["dataset_lengths"], dtype=np.int64)
-    over = np.flatnonzero(totals > lengths)
-    if over.size:
-        d = int(over[0])
-        k = int(np.argmax(blends.offsets[1:, d] > lengths[d]))  # the first phase that overdraws
-        raise BuildError(f"the schedule's greedy draws {int(blends.offsets[k + 1, d])} samples of dataset {d} by "
-                         f"the end of phase {k + 1}, whose index holds only {int(lengths[d])}; raise "
-                         "mid_level_dataset_surplus (megatron-core fails here too)")
+    check_schedule_draws(blends.offsets, served, params["dataset_lengths"])
     local = np.full(plan.num_datasets, -1, dtype=np.int64)  # (D_union,) the split's id of each
     local[served] = np.arange(served.size, dtype=np.int64)
     dtype = blends.dataset_index[0].dtype
@@ -152,6 +145,29 @@ def build_schedule_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dic
     dataset_sample_index = np.concatenate([s + blends.offsets[k, d.astype(np.int64)] for k, (d, s) in
                                            enumerate(zip(blends.dataset_index, blends.dataset_sample_index))])
     return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index.astype(np.int64)}
+
+
+def schedule_greedy(params: Mapping[str, Any]) -> ScheduleGreedy:
+    """The greedies of an exact schedule's blend item (its params carry ``schedule``) as one run
+    a divided build computes range by range: the plan recorded in the params, planned again."""
+    plan = schedule_plan_of(params["schedule"])
+    return ScheduleGreedy(plan_exact_phases(plan), params["schedule"]["served"])
+
+
+def check_schedule_draws(offsets: np.ndarray, served, dataset_lengths) -> None:
+    """BuildError when a schedule's greedies draw more of a dataset than its index holds, naming
+    the dataset (the union's id) and the first phase that overdraws. ``offsets``: ``(P + 1, D)``
+    the union's samples before each phase; ``dataset_lengths``: the split's stores' index sizes
+    in ``served``'s order."""
+    lengths = np.zeros(offsets.shape[1], dtype=np.int64)  # (D_union,) 0 for a dataset the split skips
+    lengths[np.asarray(served, dtype=np.int64)] = np.asarray(dataset_lengths, dtype=np.int64)
+    over = np.flatnonzero(offsets[-1] > lengths)
+    if over.size:
+        d = int(over[0])
+        k = int(np.argmax(offsets[1:, d] > lengths[d]))  # the first phase that overdraws
+        raise BuildError(f"the schedule's greedy draws {int(offsets[k + 1, d])} samples of dataset {d} by "
+                         f"the end of phase {k + 1}, whose index holds only {int(lengths[d])}; raise "
+                         "mid_level_dataset_surplus (megatron-core fails here too)")
 
 
 def plan_to_dict(plan: EpochPlan) -> dict[str, Any]:
@@ -252,5 +268,5 @@ def drawer_main() -> None:
         _send(stdout, result)
 
 
-__all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "build_schedule_arrays", "draw_shuffles",
-           "plan_from_dict", "plan_gpt", "plan_to_dict"]
+__all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "build_schedule_arrays",
+           "check_schedule_draws", "draw_shuffles", "plan_from_dict", "plan_gpt", "plan_to_dict", "schedule_greedy"]

@@ -8,8 +8,8 @@ blend sizes and weights):
 * a ``blend`` item: the blend of one split over its datasets (absent when a split reads one store);
   the train split of a schedule of several phases has the schedule's (each dataset then sized by
   what the whole schedule takes of it: ``SchedulePlan.totals`` when stateless, megatron's buffer
-  over every phase's greedy targets, ``exact_buffers``, when exact; an exact one is built whole
-  by one rank, not divided);
+  over every phase's greedy targets, ``exact_buffers``, when exact; an exact one is divided over
+  the ranks like any exact blend);
 * with ``packing: best_fit``, ``pack`` items: the chunks of a split's documents packed best fit
   (:mod:`tokenloom.builder.best_fit`), which its ``gpt`` item serves from. They are built before
   the plan, whose sample counts they decide.
@@ -333,8 +333,9 @@ def _is_schedule(config: BuildConfig, split_index: int) -> bool:
 def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> WorkItem:
     """The train split's blend of a schedule build, keyed by everything that places and counts
     its samples. Stateless: the kernel's closed-form plan, storing the counts per phase. Exact:
-    megatron-core's greedy per phase laid end to end (one item, built by one rank), so its size
-    is the phases' exact sizes (the last phase's megatron size included)."""
+    megatron-core's greedy per phase laid end to end (one item, divided over the ranks as a single
+    exact blend is), so its size is the phases' exact sizes (the last phase's megatron size
+    included) and it costs what a single blend of that size costs."""
     plan = config.schedule_plan()
     column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
     served = [column[prefix] for prefix in prefixes]
@@ -632,9 +633,9 @@ def plan_build(config: BuildConfig, infos: Mapping[str, StoreInfo], world_size: 
 
 
 def is_divided(config: BuildConfig, item: WorkItem) -> bool:
-    """Whether ``item`` is built by every rank, a range each: exact-mode blends (a schedule's is
-    one rank's item: its phases are built whole, one after another)."""
-    return config.mode == "exact" and item.kind == "blend" and "schedule" not in item.params
+    """Whether ``item`` is built by every rank, a range each: exact-mode blends, a schedule's
+    included (its phases' greedies laid end to end run as one greedy does: ``ScheduleGreedy``)."""
+    return config.mode == "exact" and item.kind == "blend"
 
 
 def assign_work(config: BuildConfig, items, splits, world_size: int, todo: list[WorkItem],

@@ -553,7 +553,15 @@ class MegatronGreedy:
     one, by replaying megatron's loop until the runs meet. :func:`megatron_blend` is ``fill``
     from step 0; a distributed build gives each rank a range, then repairs each range from the
     end state of the range before it (``tokenloom.builder``).
+
+    What such a build asks of a greedy (:class:`~tokenloom.index.schedule_exact.ScheduleGreedy`
+    answers the same for a schedule's greedies laid end to end): :meth:`guess`, :meth:`fill`,
+    :meth:`repair`, :attr:`dataset_id_dtype`, and :attr:`restarts` with :meth:`carry`, the
+    positions where the run starts again from an exact state (none here: one greedy runs on).
     """
+
+    restarts: tuple[int, ...] = ()
+    """Positions where the run starts afresh from an exact state: none, one greedy runs on."""
 
     def __init__(self, weights: np.ndarray, limits: np.ndarray, backend: str = "auto") -> None:
         self.weights = np.ascontiguousarray(weights, dtype=np.float64)  # (D,)
@@ -606,6 +614,11 @@ class MegatronGreedy:
     @property
     def dataset_id_dtype(self) -> np.dtype:
         return megatron_dataset_id_dtype(self.num_datasets)
+
+    def carry(self, step: int, counts: np.ndarray) -> np.ndarray:
+        """The state step ``step`` starts from when the steps before it ended in ``counts``:
+        ``counts`` itself (one greedy runs on; a schedule's starts each phase afresh)."""
+        return counts
 
     def guess(self, step: int) -> np.ndarray:
         """(D,) int64: the counts after ``step`` steps, guessed in closed form (exact at 0)."""
@@ -678,12 +691,17 @@ class MegatronGreedy:
         return counts
 
 
-def ranges_settled(runs: Sequence[RangeRun]) -> bool:
+def ranges_settled(runs: Sequence[RangeRun], true_starts: Sequence[np.ndarray] | None = None) -> bool:
     """Whether consecutive ranges, each recorded from ``runs[r].start_counts``, form megatron's
-    run: the first starts from zero counts and each starts where the one before ended."""
-    if runs and runs[0].start_counts.any():
-        return False
-    return all(np.array_equal(runs[r].start_counts, runs[r - 1].end_counts) for r in range(1, len(runs)))
+    run: each starts from ``true_starts[r]``, by default zero counts for the first and the end
+    of the one before for the others (a divided build passes the state its greedy's
+    :meth:`~MegatronGreedy.carry` gives at each range's start: a schedule's starts every phase
+    afresh)."""
+    if true_starts is None:
+        if runs and runs[0].start_counts.any():
+            return False
+        return all(np.array_equal(runs[r].start_counts, runs[r - 1].end_counts) for r in range(1, len(runs)))
+    return all(np.array_equal(run.start_counts, start) for run, start in zip(runs, true_starts, strict=True))
 
 
 def settle_range(greedy: MegatronGreedy, bounds: Sequence[int], runs: Sequence[RangeRun], r: int,

@@ -23,23 +23,36 @@ divided over ranks as one blend is today; the offsets are the phases' bincounts 
 
 Each dataset's index holds megatron's buffer over the per-phase targets,
 ``ceil(sum_k ceil(S_k w_kd) * (1 + surplus))`` (:func:`exact_buffers`; one phase: today's).
+
+**Divided over ranks** (:class:`ScheduleGreedy`, run by ``tokenloom.builder.divided`` as a single
+blend's greedy is): a position maps to its phase and, within it, to a step of the phase's greedy
+(a ramp's slot to a step of its from- or to-greedy, by ``V(L)``). The state at a position is the
+phase's greedies' counts, exactly zero at every phase's start, so a rank's range is guessed only
+at its first position and a range crossing a phase boundary starts the next phase from the exact
+state. Ranges are computed *raw* (each greedy's own dataset ids and sample numbers) so that they
+can be repaired as one greedy's range is; once every phase's final counts are known (the offsets),
+:meth:`ScheduleGreedy.finish` turns each block into the stored form, the split's ids and the
+samples numbered on, the same bytes as :func:`exact_phase_blends` laid end to end.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import DEFAULT_SURPLUS, megatron_sizes
-from tokenloom.index.megatron_blend import megatron_blend, megatron_dataset_id_dtype
+from tokenloom.index.kernels import compiled_on_call, jit, numba_available, resolve_backend
+from tokenloom.index.megatron_blend import MegatronGreedy, RangeRun, megatron_blend, megatron_dataset_id_dtype
 from tokenloom.index.phase_order import RampSplit
 from tokenloom.index.schedule import SchedulePlan
 
-__all__ = ["ExactPhase", "ExactPhaseBlends", "GreedyPart", "exact_buffers", "exact_phase_blends",
-           "plan_exact_phases"]
+__all__ = ["ExactPhase", "ExactPhaseBlends", "GreedyPart", "ScheduleGreedy", "exact_buffers",
+           "exact_phase_blends", "phase_offsets", "plan_exact_phases"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -205,6 +218,236 @@ def exact_phase_blends(plan: SchedulePlan, *, backend: str = "auto", threads: in
     built = [phase.build(backend=backend, threads=threads, allow_beyond_megatron=allow_beyond_megatron)
              for phase in phases]
     counts = np.stack([np.bincount(d, minlength=plan.num_datasets) for d, _ in built]).astype(np.int64)  # (P, D)
-    offsets = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)])
+    offsets = phase_offsets(counts)
     return ExactPhaseBlends(phases=phases, dataset_index=tuple(d for d, _ in built),
                             dataset_sample_index=tuple(s for _, s in built), counts=counts, offsets=offsets)
+
+
+def phase_offsets(counts: np.ndarray) -> np.ndarray:
+    """``(P + 1, D)`` int64: each dataset's samples before each phase, from the ``(P, D)`` samples
+    of each phase; the last row its totals."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)])
+
+
+@jit(nogil=True, cache=True)
+def _ramp_flags_kernel(run_step, run_sample, run_size, run_sum, num_steps, lo, hi, out):
+    """``out[i] = V(lo + i + 1) > V(lo + i)``: which of a ramp's positions ``[lo, hi)`` are
+    to-slots; returns ``V(lo)``. :meth:`RampSplit.alpha_sums` at ``lo``, then its sum moved on by
+    ``2j + 1`` per position (``j`` the position's step), so no array of sums is ever made (the
+    vectorised :meth:`RampSplit.to_slots` would make several per block)."""
+    r = np.searchsorted(run_sample, lo, side="right") - 1
+    j = run_step[r] + (lo - run_sample[r]) // run_size[r]  # the step of position lo
+    before = run_sample[r] + (j - run_step[r]) * run_size[r]  # positions before step j
+    sums = run_sum[r] + run_size[r] * (j * j - run_step[r] * run_step[r]) + (lo - before) * (2 * j + 1)
+    two_j = 2 * num_steps
+    first = (sums + num_steps) // two_j
+    v = first
+    last_run = run_sample.shape[0] - 1
+    for i in range(hi - lo):
+        sums += 2 * j + 1
+        position = lo + i + 1
+        if position - before == run_size[r]:  # the next position opens step j + 1
+            before = position
+            j += 1
+            if r < last_run and position >= run_sample[r + 1]:
+                r += 1
+        following = (sums + num_steps) // two_j
+        out[i] = following > v
+        v = following
+    return first
+
+
+@jit(nogil=True, cache=True)
+def _finish_kernel(dataset, sample, is_to, from_ids, to_ids, renumber, before, shift, split_ids):
+    """Raw positions of one phase made final in place: each greedy's id (``is_to`` picks a ramp's
+    to-greedy; empty for a constant phase) to the union's, then to the split's; the sample
+    ``before[u] + shift[u]`` with ``before`` counted on (a ramp: numbered over both greedies),
+    else the greedy's own plus ``shift[u]``."""
+    ramp = is_to.shape[0] > 0
+    for i in range(dataset.shape[0]):
+        local = dataset[i]
+        u = to_ids[local] if ramp and is_to[i] else from_ids[local]
+        if renumber:
+            sample[i] = before[u] + shift[u]
+            before[u] += 1
+        else:
+            sample[i] += shift[u]
+        dataset[i] = split_ids[u]
+
+
+class _ScheduleKernels(NamedTuple):
+    ramp_flags: Callable
+    finish: Callable
+
+
+#: The schedule's kernels by backend (identical results): numba compiles them on first call.
+_KERNELS = {"python": _ScheduleKernels(_ramp_flags_kernel, _finish_kernel)}
+if numba_available():
+    _KERNELS["numba"] = _ScheduleKernels(compiled_on_call(_ramp_flags_kernel), compiled_on_call(_finish_kernel))
+
+
+class ScheduleGreedy:
+    """Every phase's greedy laid end to end as one run over the blend's positions, with the
+    contract a divided build asks of :class:`~tokenloom.index.megatron_blend.MegatronGreedy`
+    (:meth:`guess`, :meth:`fill`, :meth:`repair`, :meth:`carry`, :attr:`restarts`), so each rank
+    computes a range of positions and repairs it as it would a single blend's.
+
+    The state at a position of phase ``k`` is the counts of phase ``k``'s greedies there, over
+    their active datasets (a ramp's from-greedy's then its to-greedy's, concatenated): exactly zero
+    at the phase's start (:attr:`restarts`, where :meth:`carry` drops the phase before's counts), so
+    only a range's first position is ever guessed. :meth:`fill` and :meth:`repair` take ranges
+    within one phase (the build cuts its windows at :attr:`restarts`) and write *raw* arrays: each
+    greedy's own dataset ids and sample numbers, which a repair replays. :meth:`finish` writes the
+    stored form once the phases' totals are known: ids over the split's stores, samples numbered
+    over the phase (a ramp's two greedies merged) plus the phase's offsets.
+    """
+
+    def __init__(self, phases: tuple[ExactPhase, ...], served, *, backend: str = "auto",
+                 allow_beyond_megatron: bool = False) -> None:
+        self.phases = phases
+        self.num_datasets = phases[0].num_datasets
+        """Datasets of the schedule's union."""
+        self.starts = np.array([phase.start for phase in phases], dtype=np.int64)  # (P,)
+        self.phase_ends = tuple(int(phase.start + phase.size) for phase in phases)
+        """Each phase's end position (the next one's start; the last, the blend's size)."""
+        self.size = self.phase_ends[-1]
+        self.restarts = tuple(int(start) for start in self.starts[1:])
+        self._greedies = [tuple(MegatronGreedy.for_weights(np.array(part.weights, dtype=np.float64), backend=backend,
+                                                           allow_beyond_megatron=allow_beyond_megatron)
+                                for part in phase.parts) for phase in phases]
+        split_ids = np.full(self.num_datasets, -1, dtype=np.int64)  # (D,) the split's id of each union dataset
+        split_ids[np.asarray(served, dtype=np.int64)] = np.arange(len(served), dtype=np.int64)
+        self._split_ids = split_ids.astype(self.dataset_id_dtype)
+        self._kernels = _KERNELS[resolve_backend(backend, _KERNELS, fallback="python")]
+        self._no_flags = np.zeros(0, dtype=np.bool_)
+        self._no_before = np.zeros(0, dtype=np.int64)
+
+    @property
+    def dataset_id_dtype(self) -> np.dtype:
+        """The stored ids' dtype: the union's, as :meth:`GreedyPart.build` gives it."""
+        return megatron_dataset_id_dtype(self.num_datasets)
+
+    def phase_of(self, position: int) -> int:
+        """The phase holding ``position`` (the last phase for the blend's end)."""
+        return min(int(np.searchsorted(self.starts, position, side="right")) - 1, len(self.phases) - 1)
+
+    def _part_steps(self, k: int, lo: int, hi: int):
+        """Phase ``k``'s local positions ``[lo, hi)`` as each greedy's steps: ``((from, to) step
+        ranges, is_to)``, ``is_to`` ``(hi - lo,)`` bool the ramp's to-slots; a constant phase's
+        one greedy's steps are the positions (``is_to`` None)."""
+        ramp = self.phases[k].ramp
+        if ramp is None:
+            return ((lo, hi),), None
+        is_to = np.empty(hi - lo, dtype=np.bool_)
+        v0 = int(self._kernels.ramp_flags(ramp.run_step, ramp.run_sample, ramp.run_size, ramp.run_sum,
+                                          ramp.num_steps, lo, hi, is_to))
+        v1 = v0 + int(np.count_nonzero(is_to))
+        return ((lo - v0, hi - v1), (v0, v1)), is_to
+
+    def _split_state(self, k: int, counts: np.ndarray) -> list[np.ndarray]:
+        """Phase ``k``'s state as its greedies' counts."""
+        widths = [part.datasets.shape[0] for part in self.phases[k].parts]
+        return np.split(np.asarray(counts, dtype=np.int64), np.cumsum(widths)[:-1])
+
+    def _local(self, start: int, stop: int) -> tuple[int, int, int]:
+        k = self.phase_of(start)
+        lo, hi = start - int(self.starts[k]), stop - int(self.starts[k])
+        if hi > self.phases[k].size:
+            raise ConfigError(f"positions {start}..{stop} cross the start of phase {k + 2} at {self.phase_ends[k]}; "
+                              "a range of the schedule's greedy lies within one phase (cut it at restarts)")
+        return k, lo, hi
+
+    def guess(self, position: int) -> np.ndarray:
+        """The state at ``position``, guessed in closed form; exact (zero) at a phase's start."""
+        k = self.phase_of(position)
+        lo = position - int(self.starts[k])
+        steps, _ = self._part_steps(k, lo, lo)
+        return np.concatenate([g.guess(a) for g, (a, _) in zip(self._greedies[k], steps)])
+
+    def carry(self, position: int, counts: np.ndarray) -> np.ndarray:
+        """The state ``position`` starts from when the positions before ended in ``counts``: zero
+        at a phase's start (each phase's greedy starts afresh), else ``counts``."""
+        if position == 0 or position in self.restarts:
+            return self.guess(position)
+        return counts
+
+    def fill(self, start: int, stop: int, out_dataset: np.ndarray, out_sample: np.ndarray, *,
+             counts: np.ndarray | None = None, threads: int = 1) -> RangeRun:
+        """Positions ``[start, stop)`` of one phase, raw, from ``counts`` (None: :meth:`guess`), as
+        :meth:`MegatronGreedy.fill` does; a ramp's greedies each over their slots' steps."""
+        k, lo, hi = self._local(start, stop)
+        counts = self.guess(start) if counts is None else np.asarray(counts, dtype=np.int64)
+        steps, is_to = self._part_steps(k, lo, hi)
+        if is_to is None:
+            return self._greedies[k][0].fill(lo, hi, out_dataset, out_sample, counts=counts, threads=threads)
+        runs = []
+        for greedy, (a, b), state, slots in zip(self._greedies[k], steps, self._split_state(k, counts),
+                                                (~is_to, is_to)):
+            part_dataset, part_sample = np.empty(b - a, dtype=out_dataset.dtype), np.empty(b - a, dtype=np.int64)
+            runs.append(greedy.fill(a, b, part_dataset, part_sample, counts=state, threads=threads))
+            out_dataset[slots], out_sample[slots] = part_dataset, part_sample
+        return RangeRun(start_counts=np.concatenate([run.start_counts for run in runs]),
+                        end_counts=np.concatenate([run.end_counts for run in runs]))
+
+    def repair(self, start: int, stop: int, true_counts: np.ndarray, recorded_counts: np.ndarray,
+               out_dataset: np.ndarray, out_sample: np.ndarray) -> np.ndarray | None:
+        """:meth:`MegatronGreedy.repair` over positions ``[start, stop)`` of one phase (a ramp's
+        greedies each over their slots); the new end state, or None when it is unchanged."""
+        k, lo, hi = self._local(start, stop)
+        steps, is_to = self._part_steps(k, lo, hi)
+        if is_to is None:
+            return self._greedies[k][0].repair(lo, hi, true_counts, recorded_counts, out_dataset, out_sample)
+        ends, changed = [], False
+        for greedy, (a, b), true, recorded, slots in zip(self._greedies[k], steps, self._split_state(k, true_counts),
+                                                         self._split_state(k, recorded_counts), (~is_to, is_to)):
+            part_dataset, part_sample = out_dataset[slots], out_sample[slots]  # copies: repaired, then put back
+            end = greedy.repair(a, b, true, recorded, part_dataset, part_sample)
+            if not np.array_equal(true, recorded):
+                out_dataset[slots], out_sample[slots] = part_dataset, part_sample
+            changed |= end is not None
+            # the greedy's end from its true start: the slots now hold its true run
+            ends.append(end if end is not None else
+                        true + np.bincount(part_dataset.astype(np.int64), minlength=true.shape[0]))
+        return np.concatenate(ends) if changed else None
+
+    def phase_counts(self, end_states) -> np.ndarray:
+        """``(P, D)`` int64: each phase's samples of each union dataset, from ``end_states[k]``,
+        phase ``k``'s state at its end (its greedies' final counts)."""
+        out = np.zeros((len(self.phases), self.num_datasets), dtype=np.int64)
+        for k, phase in enumerate(self.phases):
+            for part, counts in zip(phase.parts, self._split_state(k, end_states[k])):
+                out[k, part.datasets] += counts
+        return out
+
+    def finish(self, start: int, stop: int, out_dataset: np.ndarray, out_sample: np.ndarray, counts: np.ndarray,
+               offsets: np.ndarray) -> bool:
+        """Turn raw positions ``[start, stop)`` (any phases) into the stored form in place: ids over
+        the split's stores, each sample numbered over its phase plus ``offsets[k, d]`` (``(P + 1, D)``,
+        :func:`phase_offsets`). ``counts``: the true state at ``start``. Returns whether anything
+        changed (a first constant phase over the split's stores in order is stored as computed)."""
+        changed = False
+        for k in range(self.phase_of(start), len(self.phases)):
+            lo, hi = max(start, int(self.starts[k])), min(stop, self.phase_ends[k])
+            if lo >= hi:
+                break
+            dataset, sample = out_dataset[lo - start:hi - start], out_sample[lo - start:hi - start]
+            parts = self.phases[k].parts
+            if len(parts) == 1:  # the greedy's own numbering is the phase's
+                datasets = parts[0].datasets
+                if offsets[k, datasets].any() or not np.array_equal(self._split_ids[datasets],
+                                                                    np.arange(datasets.shape[0])):
+                    self._kernels.finish(dataset, sample, self._no_flags, datasets, datasets, False,
+                                         self._no_before, offsets[k], self._split_ids)
+                    changed = True
+                continue
+            # a ramp: number each dataset's samples over both greedies' slots, from the state at lo
+            state = counts if lo == start else self.guess(lo)
+            _, is_to = self._part_steps(k, lo - int(self.starts[k]), hi - int(self.starts[k]))
+            before = np.zeros(self.num_datasets, dtype=np.int64)  # (D,) the phase's samples before lo
+            for part, part_counts in zip(parts, self._split_state(k, state)):
+                before[part.datasets] += part_counts
+            self._kernels.finish(dataset, sample, is_to, parts[0].datasets, parts[1].datasets, True, before,
+                                 offsets[k], self._split_ids)
+            changed = True
+        return changed
