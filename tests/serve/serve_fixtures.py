@@ -83,3 +83,34 @@ def megatron_blended(prefixes, weights, *, num_samples: int, seq_length: int, se
     sizes = [num_samples if name == split_name else 0 for name in names]
     built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return built[names.index(split_name)]
+
+
+#: Special tokens of the code tokenizer: end of document, FIM's sentinels and pad, a file separator.
+FIM_SPECIALS = ("<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<file_sep>")
+FIM_EXTRA_TOKENS = {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>",
+                    "pad": "<fim_pad>", "eod": "<|endoftext|>"}
+
+
+def stdlib_sources(first: int, count: int) -> list[str]:
+    """``count`` standard-library modules (sorted by name, from ``first``): real code, no download."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[first:first + count]
+
+
+def train_code_tokenizer(directory):
+    """A byte-level BPE (GPT-2 style, 1500 ids) trained on 25 standard-library modules, with
+    :data:`FIM_SPECIALS`, loaded as tokenloom's ``HuggingFaceTokenizer`` (the ``tokenizers``
+    engine: FIM re-encodes with it)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenloom.tokenization.tokenizers import HuggingFaceTokenizer
+
+    model = tokenizers.Tokenizer(tokenizers.models.BPE())
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    model.train(stdlib_sources(0, 25), tokenizers.trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=list(FIM_SPECIALS),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    path = os.path.join(str(directory), "tokenizer.json")
+    model.save(path)
+    return HuggingFaceTokenizer(path, engine="hf")

@@ -6,36 +6,22 @@ holds exactly its source characters, and that the draws depend on the sample alo
 
 from __future__ import annotations
 
-import glob
 import os
 import types
 
 import numpy as np
 import pytest
 
+from serve_fixtures import FIM_EXTRA_TOKENS, stdlib_sources, train_code_tokenizer
 from tokenloom.errors import ConfigError
 from tokenloom.serve.fim import FimOptions, FimTransform
 
-SPECIALS = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<file_sep>"]
-EXTRA = {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>", "pad": "<fim_pad>",
-         "eod": "<|endoftext|>"}
+EXTRA = FIM_EXTRA_TOKENS
 
 
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenloom.tokenization.tokenizers import HuggingFaceTokenizer
-
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:25]
-    model = tokenizers.Tokenizer(tokenizers.models.BPE())
-    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = tokenizers.decoders.ByteLevel()
-    model.train(files, tokenizers.trainers.BpeTrainer(
-        vocab_size=1500, special_tokens=SPECIALS, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    path = tmp_path_factory.mktemp("fim") / "tokenizer.json"
-    model.save(str(path))
-    return HuggingFaceTokenizer(str(path), engine="hf")
+    return train_code_tokenizer(tmp_path_factory.mktemp("fim"))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +29,7 @@ def samples(codec) -> list[np.ndarray]:
     """Windows of 257 ids cut at random from "repositories" of standard-library modules: files
     joined by <file_sep>, repositories ended by <|endoftext|> (pieces, fragments, cuts mid-file)."""
     rng = np.random.default_rng(5)
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[25:55]
+    files = stdlib_sources(25, 30)
     eod, sep = codec.token_id("<|endoftext|>"), codec.token_id("<file_sep>")
     stream: list[int] = []
     for k in range(0, len(files), 3):
@@ -184,3 +170,22 @@ def test_a_sentinel_the_tokenizer_lacks_is_refused_by_name(codec):
     options = FimOptions(rate=0.5, extra_tokens={**EXTRA, "pad": "<pad>"})
     with pytest.raises(ConfigError, match=r"fim_extra_tokens\['pad'\]='<pad>' is not a token of the tokenizer"):
         FimTransform(options, codec, seed=1)
+
+
+def test_a_micro_batch_in_two_tokenizer_calls_permutes_as_row_by_row(codec, samples):
+    """``apply_rows`` decodes every piece and encodes every part of a micro-batch in one call
+    each; the ids are ``apply``'s row by row, on rows with empty pieces and fragments (an EOD or
+    a split token right after another, or first)."""
+    eod, sep = codec.token_id("<|endoftext|>"), codec.token_id("<file_sep>")
+    rows = np.stack(samples[:60]).copy()
+    rows[::5, 0] = sep
+    rows[1::5, 10:12] = sep
+    rows[2::5, 20:22] = eod
+    rows[3::5, -1] = eod
+    for changes in ({}, {"split_sample": "<file_sep>", "fragment_rate": 0.5}, {"no_prefix": "def", "rate": 1.0}):
+        transform = FimTransform(FimOptions(**{"rate": 0.6, "spm_rate": 0.5, "extra_tokens": EXTRA, **changes}),
+                                 codec, seed=21)
+        batched = transform.apply_rows(rows, [4] * 60, list(range(60)))
+        one_by_one = np.stack([transform.apply(rows[k], transform.sample_rng(4, k)) for k in range(60)])
+        np.testing.assert_array_equal(batched, one_by_one, err_msg=str(changes))
+        assert (batched != rows).any(axis=1).sum() > 20

@@ -26,6 +26,7 @@ from tokenloom.serve.audit import (
     summarize_skips,
 )
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema
+from tokenloom.serve.fim import FimOptions, FimTransform
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.online import ExponentiatedGradient, OnlineMixing
@@ -69,6 +70,8 @@ __all__ = [
     "BatchSizeSchedule",
     "ExponentiatedGradient",
     "FieldSpec",
+    "FimOptions",
+    "FimTransform",
     "LoadMode",
     "MixtureAudit",
     "OnlineMixing",

@@ -46,6 +46,7 @@ from tokenloom.serve.packed import pack_documents, partition_documents
 from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.topology import context_parallel_slice
 from tokenloom.source import SampleSource
+from tokenloom.source.provenance import store_identity
 from tokenloom.validate import is_integer
 
 
@@ -81,6 +82,8 @@ class BatchPipeline:
         self._id_dtype = megatron_dataset_id_dtype(len(source.datasets))
         if options.inter_document_masking:
             check_pieces(source)
+        self._fim = None if options.fim is None else fim_datasets(source, options)
+        """(num_datasets,) bool: the datasets whose samples FIM permutes (None: no FIM)."""
 
     def read(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
         """Every field of the micro-batch of samples ``(dataset_ids[k], sample_ids[k])``; see the
@@ -95,25 +98,52 @@ class BatchPipeline:
         """Steps 1-5: every field of the samples ``(dataset_ids[k], sample_ids[k])``, per sample
         (fixed shapes, any number of micro-batches at once)."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
         if self.options.inter_document_masking:
-            sample_ids = np.asarray(sample_ids, dtype=np.int64)
             tokens, ends, counts = self.source.read_pieces(dataset_ids, sample_ids)
+            tokens, (ends, counts), permuted = self._permuted(tokens, dataset_ids, sample_ids, (ends, counts))
 
             def describe(row: int) -> str:
                 return f"{self.source.datasets[int(dataset_ids[row])].name}: sample {int(sample_ids[row])}"
 
-            return self.from_rows(tokens, dataset_ids, pieces=(ends, counts), describe_row=describe)
+            return self.from_rows(tokens, dataset_ids, pieces=(ends, counts), describe_row=describe,
+                                  permuted=permuted)
         rows = self.source.read_samples(dataset_ids, sample_ids)  # (B, seq_length + add_extra_token)
-        return self.from_rows(rows, dataset_ids)
+        rows, _, permuted = self._permuted(rows, dataset_ids, sample_ids, None)
+        return self.from_rows(rows, dataset_ids, permuted=permuted)
 
-    def from_rows(self, rows: np.ndarray, dataset_ids, *, pieces=None, describe_row=None) -> dict[str, np.ndarray]:
+    def _permuted(self, rows: np.ndarray, dataset_ids: np.ndarray, sample_ids: np.ndarray, pieces):
+        """FIM on the rows of the datasets it permutes: ``(rows, pieces, permuted)``, the pieces
+        of permuted rows following their end-of-document tokens, ``permuted`` ``(B,)`` bool (None
+        without FIM)."""
+        if self._fim is None:
+            return rows, pieces, None
+        permuted = self._fim[dataset_ids]  # (B,)
+        if not permuted.any():
+            return rows, pieces, permuted
+        fim = self.options.fim
+        rows = rows.copy()
+        rows[permuted] = fim.apply_rows(rows[permuted], dataset_ids[permuted], sample_ids[permuted])
+        if pieces is not None:
+            ends, counts = pieces[0].copy(), pieces[1].copy()
+            ends[permuted], counts[permuted] = fim.pieces(rows[permuted])
+            pieces = (ends, counts)
+        return rows, pieces, permuted
+
+    def from_rows(self, rows: np.ndarray, dataset_ids, *, pieces=None, describe_row=None,
+                  permuted: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Steps 2-5 on rows already read: ``rows[k]`` is a sample of dataset ``dataset_ids[k]``;
         ``pieces``: the rows' ``(ends, counts)`` (:class:`~tokenloom.source.protocol.PieceRows`);
-        ``describe_row``: what an error calls row k."""
+        ``describe_row``: what an error calls row k; ``permuted``: ``(B,)`` bool, the rows FIM
+        permuted (their FIM pad tokens are outside the loss)."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
         out = build_fields(rows, eod_ids=self._eod_ids[dataset_ids], pad_id=self.source.pad_id,
                            add_extra_token=self.source.add_extra_token, options=self.options, pieces=pieces,
                            describe_row=describe_row)
+        if permuted is not None and permuted.any():  # a label that is FIM's pad carries no loss
+            labels = rows[:, 1:] if self.source.add_extra_token else \
+                np.concatenate([rows[:, 1:], np.full((rows.shape[0], 1), -1, dtype=rows.dtype)], axis=1)
+            out["loss_mask"][permuted[:, None] & (labels == self.options.fim.pad_id)] = 0.0
         if self.fields is not None:
             out = {name: value for name, value in out.items() if name in self.fields}
         if self.cp_size > 1 and not self._packed:  # (B, S) -> (B, S / cp); attention_mask -> (B, 1, S / cp, S)
@@ -171,6 +201,33 @@ def finish_micro_batch(fields: dict, options: SampleOptions, seq_length: int | N
     return pack_documents(fields, seq_length)
 
 
+def fim_datasets(source: SampleSource, options: SampleOptions) -> np.ndarray:
+    """``(num_datasets,)`` bool: the datasets of ``source`` whose samples ``options.fim``
+    permutes (``fim_stores``, by store prefix however spelt; all without it). ConfigError for a
+    store not in the source, or a dataset whose end-of-document id is not FIM's (its pieces
+    would not be its documents)."""
+    names = [d.name for d in source.datasets]
+    if options.fim_stores is None:
+        chosen = np.ones(len(names), dtype=bool)
+    else:
+        identities = [store_identity(name) for name in names]
+        chosen = np.zeros(len(names), dtype=bool)
+        for prefix in options.fim_stores:
+            wanted = store_identity(prefix)
+            found = [d for d, identity in enumerate(identities) if identity == wanted]
+            if not found:
+                raise ConfigError(f"SampleOptions.fim_stores names {prefix!r}, which is not a store of this split; "
+                                  f"its stores are {names[:10]}{' ...' if len(names) > 10 else ''}")
+            chosen[found] = True
+    for d in np.flatnonzero(chosen).tolist():
+        eod = source.datasets[d].eod_id
+        if eod is not None and eod != options.fim.eod_id:
+            raise ConfigError(f"{names[d]}: its documents end with id {eod} but fim_extra_tokens['eod'] is id "
+                              f"{options.fim.eod_id}; FIM splits a sample at that token: give the store's "
+                              "end-of-document token")
+    return chosen
+
+
 def check_pieces(source: SampleSource) -> None:
     """ConfigError when ``source`` cannot say where its samples' documents end (it has no
     ``read_pieces``), which ``inter_document_masking`` needs."""
@@ -192,5 +249,5 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
             "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
 
 
-__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "finish_micro_batch",
-           "read_fields"]
+__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "fim_datasets",
+           "finish_micro_batch", "read_fields"]

@@ -31,6 +31,7 @@ otherwise).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ class FimCodec(Protocol):
     def token_id(self, token: str) -> int | None:
         """The id of the token spelt ``token`` (a special token), or None when the vocabulary
         has none."""
+
+    # Optional, for a micro-batch in two calls (FimTransform.apply_rows): ``decode_batch(list of
+    # id lists) -> list[str]`` and ``encode_texts(texts) -> (ids back to back, lengths)``.
 
 
 def _rate(name: str, value: Any) -> float:
@@ -139,6 +143,30 @@ class FimTransform:
         self.pad_id, self.eod_id = ids["pad"], ids["eod"]
         self.split_id = None if options.split_sample is None else self._id("fim_split_sample", options.split_sample)
 
+    def __repr__(self) -> str:  # what a grain checkpoint compares: no addresses
+        return f"FimTransform({self.options!r}, codec={self.codec!r}, seed={self.seed})"
+
+    def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The document pieces of permuted ``rows`` ``(B, W)`` as a source reports them
+        (:class:`~tokenloom.source.protocol.PieceRows`' ``ends`` ``(B, W + 1)`` and ``counts``
+        ``(B,)``): a piece ends after each end-of-document token, and the last after the last
+        column that is not the pad token (the pad tokens after it are padding). The index's own
+        pieces no longer hold: a permuted piece has other lengths."""
+        rows = np.asarray(rows)
+        batch, width = rows.shape
+        ends = np.full((batch, width + 1), width, dtype=np.int32)  # (B, W + 1)
+        counts = np.empty(batch, dtype=np.int32)  # (B,)
+        for r in range(batch):
+            row = rows[r]
+            real = np.flatnonzero(row != self.pad_id)
+            last = int(real[-1]) + 1 if real.shape[0] else 1  # a row of pad tokens: one (empty-text) piece
+            mine = np.flatnonzero(row[:last] == self.eod_id) + 1
+            if not mine.shape[0] or mine[-1] < last:
+                mine = np.append(mine, last)
+            ends[r, :mine.shape[0]] = mine
+            counts[r] = mine.shape[0]
+        return ends, counts
+
     def _id(self, what: str, spelt: str) -> int:
         found = self.codec.token_id(spelt)
         if found is None:
@@ -172,17 +200,136 @@ class FimTransform:
             out = np.concatenate(parts)
         else:
             out = self._split_and_permute(sample, rng)
+        return self._fit(out, length)
+
+    def apply_rows(self, rows: np.ndarray, dataset_ids, sample_ids) -> np.ndarray:
+        """``(B, W)`` rows, each permuted with its own sample's generator (a new array): the
+        same ids as :meth:`apply` row by row, with the tokenizer called a few times per
+        micro-batch rather than per piece (the texts the rows wait on decoded together, every cut
+        part encoded in one call), where the codec has ``decode_batch`` and ``encode_texts``:
+        called piece by piece, they cost most of FIM."""
+        rows = np.asarray(rows, dtype=np.int64)
+        decode_batch = getattr(self.codec, "decode_batch", None)
+        encode_texts = getattr(self.codec, "encode_texts", None)
+        if decode_batch is None or encode_texts is None:
+            out = np.empty_like(rows)
+            for k, (d, s) in enumerate(zip(np.asarray(dataset_ids).tolist(), np.asarray(sample_ids).tolist())):
+                out[k] = self.apply(rows[k], self.sample_rng(d, s))
+            return out
+        # 1. the draws, row by row from each sample's generator, in Megatron-LM's order: a row's
+        # draws stop where they need a run's text (how far it may be cut), and the runs every row
+        # waits on are decoded in one call, until every row has drawn all it needs
+        ids = zip(np.asarray(dataset_ids).tolist(), np.asarray(sample_ids).tolist())
+        drawing = [self._row_draws(self._layout(row), self.sample_rng(d, s)) for row, (d, s) in zip(rows, ids)]
+        plans: list = [None] * len(drawing)
+        waiting = {}
+        for k, draws in enumerate(drawing):
+            self._advance(k, draws, None, waiting, plans)
+        while waiting:
+            order = list(waiting)
+            texts = decode_batch([waiting[k].tolist() for k in order])
+            waiting = {}
+            for k, text in zip(order, texts):
+                self._advance(k, drawing[k], text, waiting, plans)
+        # 2. every cut part encoded at once, then each row put together and cut or padded
+        strings = [text for plan in plans for piece in plan for item in piece if isinstance(item, tuple)
+                   for text in item[1]]
+        tokens, lengths = encode_texts(strings) if strings else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        encoded = iter(np.asarray(tokens, dtype=np.int64)[a:b] for a, b in itertools.pairwise(bounds))
+        out = np.empty_like(rows)
+        for k, plan in enumerate(plans):
+            out[k] = self._fit(self._join(plan, encoded), rows.shape[1])
+        return out
+
+    def _layout(self, row: np.ndarray) -> list[tuple[bool, list, list]]:
+        """The row's pieces between end-of-document tokens (an empty one dropped with its EOD),
+        each as ``(split, parts, whole)``: ``split`` True where the piece is cut at the split
+        token into fragments; ``parts`` the runs that may be permuted, with the split ids kept
+        between them (an empty fragment is dropped with its split token, as Megatron-LM does);
+        ``whole`` the piece as it is (what an unpermuted split piece stays), each followed by the
+        piece's end-of-document token."""
+        pieces, start = [], 0
+        for at in np.flatnonzero(row == self.eod_id).tolist():
+            if at > start:
+                pieces.append((row[start:at], True))
+            start = at + 1
+        pieces.append((row[start:], False))
+        out = []
+        for piece, ends_in_eod in pieces:
+            breaks = np.flatnonzero(piece == self.split_id) if self.split_id is not None else np.zeros(0, np.int64)
+            if not breaks.shape[0]:
+                parts: list = [piece]
+            else:
+                parts, begin = [], 0
+                for at in breaks.tolist():
+                    if at > begin:
+                        parts += [piece[begin:at], self.split_id]
+                    begin = at + 1
+                parts.append(piece[begin:])
+            tail = [self.eod_id] if ends_in_eod else []
+            out.append((bool(breaks.shape[0]), parts + tail, [piece, *tail]))
+        return out
+
+    @staticmethod
+    def _advance(k: int, draws, text, waiting: dict, plans: list) -> None:
+        """Run row ``k``'s draws on (with ``text``, the one it waited for): it waits on its next
+        run (``waiting[k]``), or its plan is done (``plans[k]``)."""
+        try:
+            waiting[k] = draws.send(text)
+        except StopIteration as done:
+            plans[k] = done.value
+
+    def _row_draws(self, layout: list, rng: np.random.RandomState):
+        """A generator of one row's draws (as :meth:`_split_and_permute`, piece by piece): it
+        yields each run whose text it needs and is sent that text; it returns the row's plan,
+        its pieces' parts with each permuted run replaced by ``(spm, (prefix, middle, suffix)
+        texts)``, or a split piece ``whole`` where it draws no FIM."""
+        plan = []
+        for split, parts, whole in layout:
+            if split and not rng.binomial(1, self.options.rate):
+                plan.append(whole)
+                continue
+            rate = self.options.fragment_rate if split else self.options.rate
+            out = []
+            for part in parts:
+                if not isinstance(part, np.ndarray) or not rng.binomial(1, rate):
+                    out.append(part)
+                    continue
+                text = yield part
+                if self.options.no_prefix is not None and text.startswith(self.options.no_prefix):
+                    out.append(part)
+                    continue
+                low, high = sorted(rng.randint(low=0, high=len(text) + 1, size=2).tolist())
+                out.append((bool(rng.binomial(1, self.options.spm_rate)), (text[:low], text[low:high], text[high:])))
+            plan.append(out)
+        return plan
+
+    def _join(self, plan: list, encoded) -> np.ndarray:
+        parts: list[np.ndarray] = []
+        for piece in plan:
+            for item in piece:
+                if isinstance(item, np.ndarray):
+                    parts.append(item)
+                elif isinstance(item, tuple):
+                    prefix, middle, suffix = next(encoded), next(encoded), next(encoded)
+                    parts.append(self._arrange(item[0], prefix, middle, suffix))
+                else:
+                    parts.append(np.array([item], dtype=np.int64))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _arrange(self, spm: bool, prefix: np.ndarray, middle: np.ndarray, suffix: np.ndarray) -> np.ndarray:
+        one = np.ones(1, dtype=np.int64)
+        if spm:
+            return np.concatenate([one * self.prefix_id, one * self.suffix_id, suffix, one * self.middle_id,
+                                   prefix, middle])
+        return np.concatenate([one * self.prefix_id, prefix, one * self.suffix_id, suffix, one * self.middle_id,
+                               middle])
+
+    def _fit(self, out: np.ndarray, length: int) -> np.ndarray:
         if out.shape[0] >= length:
             return out[:length]
         return np.concatenate([out, np.full(length - out.shape[0], self.pad_id, dtype=np.int64)])
-
-    def apply_rows(self, rows: np.ndarray, dataset_ids, sample_ids) -> np.ndarray:
-        """``(B, W)`` rows, each permuted with its own sample's generator (a new array)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty_like(rows)
-        for k, (d, s) in enumerate(zip(np.asarray(dataset_ids).tolist(), np.asarray(sample_ids).tolist())):
-            out[k] = self.apply(rows[k], self.sample_rng(d, s))
-        return out
 
     # -- Megatron-LM's steps, draw for draw ------------------------------------------------------
     def _split_and_permute(self, piece: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
@@ -215,12 +362,7 @@ class FimTransform:
             return np.asarray(list(self.codec.encode_text(part)), dtype=np.int64)
 
         prefix, middle, suffix = ids(text[:low]), ids(text[low:high]), ids(text[high:])
-        one = np.ones(1, dtype=np.int64)
-        if rng.binomial(1, self.options.spm_rate):  # SPM
-            return np.concatenate([one * self.prefix_id, one * self.suffix_id, suffix, one * self.middle_id,
-                                   prefix, middle])
-        return np.concatenate([one * self.prefix_id, prefix, one * self.suffix_id, suffix, one * self.middle_id,
-                               middle])
+        return self._arrange(bool(rng.binomial(1, self.options.spm_rate)), prefix, middle, suffix)
 
 
 __all__ = ["FIM_TOKEN_KEYS", "FimCodec", "FimOptions", "FimTransform"]

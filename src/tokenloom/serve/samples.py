@@ -41,6 +41,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError, FormatError, InputError
 from tokenloom.index.kernels import compiled, jit, numba_available
+from tokenloom.serve.fim import FimTransform
 
 FIELD_NAMES = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 BOUNDARY_FORMATS = {
@@ -86,11 +87,30 @@ class SampleOptions:
     FlashAttention / Transformer Engine, plus ``document_ids`` for FlexAttention) or
     ``"segments"`` (MaxText's segment ids and positions)."""
 
+    fim: FimTransform | None = None
+    """Fill-in-the-middle (:class:`~tokenloom.serve.fim.FimTransform`): each sample of the
+    datasets of ``fim_stores`` is permuted, from its own generator, before its fields are made;
+    the pad tokens it adds are outside the loss, and document boundaries follow its
+    end-of-document tokens."""
+
+    fim_stores: tuple[str, ...] | None = None
+    """The store prefixes whose samples ``fim`` permutes (a blend of code and prose permutes the
+    code); None: every dataset."""
+
     def __post_init__(self) -> None:
         for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "create_attention_mask",
                      "inter_document_masking"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SampleOptions.{name}={getattr(self, name)!r}; expected True or False")
+        if self.fim is not None and not isinstance(self.fim, FimTransform):
+            raise ConfigError(f"SampleOptions.fim={self.fim!r}; expected a tokenloom.serve.fim.FimTransform or None")
+        if self.fim_stores is not None:
+            if self.fim is None:
+                raise ConfigError(f"SampleOptions.fim_stores={self.fim_stores!r} without fim; give fim "
+                                  "(a FimTransform) or drop fim_stores")
+            if isinstance(self.fim_stores, str) or not all(isinstance(p, str) and p for p in self.fim_stores):
+                raise ConfigError(f"SampleOptions.fim_stores={self.fim_stores!r}; expected a list of store prefixes")
+            object.__setattr__(self, "fim_stores", tuple(self.fim_stores))
         if self.boundary_format not in BOUNDARY_FORMATS:
             raise ConfigError(f"SampleOptions.boundary_format={self.boundary_format!r}; expected one of "
                               f"{sorted(BOUNDARY_FORMATS)}")

@@ -319,6 +319,17 @@ class HuggingFaceTokenizer:
         remove_special_tokens=True)``)."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
+        """:meth:`decode` of each list of ids, in one call (the ``tokenizers`` library decodes
+        them in parallel)."""
+        return self._tokenizer.decode_batch([[int(i) for i in ids] for ids in batch], skip_special_tokens=True)
+
+    def encode_texts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode_text` of each text in one call, as ``(ids back to back, lengths)``: the
+        ``tokenizers`` library's batch (parallel), never gigatoken, so serving does not wait on
+        the one-off scan that routing a store's documents needs (:meth:`route_divergent`)."""
+        return self.encode_batch_reference(texts)
+
     def encode_text(self, text: str) -> list[int]:
         """The ids of one ``text`` by the ``tokenizers`` library, no special tokens added (what
         the store's documents were encoded to, gigatoken or not)."""
