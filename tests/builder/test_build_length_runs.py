@@ -205,3 +205,16 @@ def test_max_epochs_caps_the_tokens_a_stores_runs_read(built, tmp_path):
     with pytest.raises(ConfigError, match=rf"store0'.* reads {read[2]:,} tokens .* end of phase 3 .* more than the "
                                           rf"{int(cap * epoch):,} its max_epochs allows"):
         tokenloom.build({**values, "max_epochs": cap, "cache_dir": str(tmp_path / "cache")})
+
+
+def test_the_where_command_gives_boundaries_at_each_samples_width(built, tmp_path, capsys):
+    import json
+
+    from tokenloom.cli import main as cli_main
+
+    _, values, _, _ = built
+    config = tmp_path / "build.json"
+    config.write_text(json.dumps(values))
+    assert cli_main(["where", str(config), "--positions", "636:644", "--inter-document-masking", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["cu_seqlens"][-1] for r in records] == [SEQ] * 4 + [LONG] * 4  # phase 2 starts at 640

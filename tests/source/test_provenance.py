@@ -234,3 +234,48 @@ def test_where_text_decodes_a_byte_store(tmp_path, capsys):
         assert record["text"] == expected
     assert any("lorem ipsum" in r["text"] for r in records)
     assert os.path.isfile(prefix + ".idx")
+
+
+def test_where_and_find_read_a_runs_state(built, stores, capsys, tmp_path):
+    """With ``--state``, where and find read positions as the run served them: after a weight
+    change and a quarantine, each record is the stream's sample with the weights in force there,
+    and find lists the stream's positions holding the document (none of a quarantined one)."""
+    from tokenloom.serve import BatchGeometry, RankLoader
+
+    mode, blended, _ = built
+    config = tmp_path / "build.json"
+    config.write_text(json.dumps(_config(stores, blended.cache.root, mode)))
+    source = blended.split("train")
+    loader = RankLoader(source, BatchGeometry(global_batch_size=4, micro_batch_size=4, dp=1))
+    for _ in range(3):
+        loader.next_batch()
+    loader.reweight([0.1, 0.2, 0.7][:len(source.datasets)])
+    loader.next_batch()
+    origin = loader.stream.where([20])[0]
+    quarantined = (origin.prefix, origin.pieces[0].document)
+    loader.quarantine([quarantined])
+    stream = loader.stream
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loader.state_dict()))
+    assert cli_main(["where", str(config), "--positions", "0:40", "--state", str(state), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    datasets, samples = stream.locate(np.arange(40))
+    assert [(r["dataset"], r["sample"]) for r in records] == list(zip(datasets.tolist(), samples.tolist()))
+    assert records[0]["weights"] != records[-1]["weights"]  # the change at step 3
+    assert all(np.allclose(r["weights"], stream.target_weights(r["position"])) for r in records)
+    assert records != [o.to_dict() for o in source.where(np.arange(40))]  # not the build's order
+    assert cli_main(["where", str(config), "--positions", "10:14", "--state", str(state)]) == 0
+    assert "weights in force from position 10" in capsys.readouterr().out
+    kept = records[30]["pieces"][0]
+    assert cli_main(["find", str(config), "--store", records[30]["prefix"], "--document", str(kept["document"]),
+                     "--state", str(state), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["positions"]
+    assert 30 in found and found == stream.positions_holding(records[30]["prefix"], kept["document"]).tolist()
+    for held in stream.where(np.asarray(found)):
+        assert kept["document"] in [p.document for p in held.pieces if held.prefix == records[30]["prefix"]]
+    assert cli_main(["find", str(config), "--store", quarantined[0], "--document", str(quarantined[1]),
+                     "--state", str(state), "--json"]) == 0
+    after = [p for p in json.loads(capsys.readouterr().out)["positions"] if p >= 16]
+    assert after == []  # taken out of the stream from the quarantine on
+    assert cli_main(["where", str(config), "--positions", "0:4", "--state", str(tmp_path / "missing.json")]) == 2
+    assert "--state" in capsys.readouterr().err

@@ -152,19 +152,58 @@ def _decoder(store):
                       f"{kind or 'none'}{' at ' + record['path'] + ' (missing)' if record.get('path') else ''}")
 
 
-def _document_boundaries(source, positions: np.ndarray) -> list[dict]:
+def _document_boundaries(source, located: tuple[np.ndarray, np.ndarray]) -> list[dict]:
     """Each sample's ``cu_seqlens`` (without megatron-core's padding) and ``max_seqlen``, as the
-    loaders serve them with ``inter_document_masking``."""
+    loaders serve them with ``inter_document_masking``, for ``located`` ``(dataset_ids,
+    sample_ids)``; read a sequence length at a time (a schedule's phases may have their own)."""
     from tokenloom.serve import BatchPipeline, SampleOptions
 
     pipeline = BatchPipeline(source, options=SampleOptions(inter_document_masking=True),
                              fields=("cu_seqlens", "max_seqlen"))
-    fields = pipeline.read(*source.locate(positions))
-    out = []
-    for cu, longest in zip(fields["cu_seqlens"], fields["max_seqlen"]):
-        documents = int(np.argmax(cu == source.seq_length))  # the first S closes the last document
-        out.append({"cu_seqlens": [int(c) for c in cu[:documents + 1]], "max_seqlen": int(longest)})
+    dataset_ids, sample_ids = located
+    widths = np.asarray(getattr(source, "seq_lengths", np.full(len(source.datasets), source.seq_length)))[dataset_ids]
+    out: list[dict] = [{} for _ in range(dataset_ids.shape[0])]
+    for width in np.unique(widths).tolist():
+        rows = np.flatnonzero(widths == width)
+        fields = pipeline.read(dataset_ids[rows], sample_ids[rows])
+        for row, cu, longest in zip(rows.tolist(), fields["cu_seqlens"], fields["max_seqlen"]):
+            documents = int(np.argmax(cu == width))  # the first S closes the last document
+            out[row] = {"cu_seqlens": [int(c) for c in cu[:documents + 1]], "max_seqlen": int(longest)}
     return out
+
+
+def _load_state(path: str) -> dict:
+    """A serving state saved as JSON, or by ``torch.save`` (``state_dict()`` as the README saves it)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--state {path}: no such file; expected a serving state (state_dict() saved as JSON "
+                          "or with torch.save)")
+    if path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except ValueError as exc:
+            raise ConfigError(f"--state {path}: not JSON ({exc}); expected a serving state") from None
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError(f"--state {path}: not a .json file, and reading a torch.save file needs torch "
+                          "(pip install torch), or save the state as JSON") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a file torch cannot read, whatever the reason, is the user's file
+        raise ConfigError(f"--state {path}: torch.load cannot read it ({exc}); expected a serving state") from None
+
+
+def _stream(source, path: str | None):
+    from tokenloom.serve import stream_from_state
+
+    return None if path is None else stream_from_state(source, _load_state(path))
+
+
+def _weights_line(source, weights) -> str:
+    top = sorted(range(len(weights)), key=lambda d: -weights[d])[:8]
+    shown = ", ".join(f"{_as_typed(source.datasets[d].name)} {weights[d]:.4f}" for d in top)
+    return shown + (f" (and {len(weights) - 8} more)" if len(weights) > 8 else "")
 
 
 def _as_typed(prefix: str) -> str:
@@ -179,11 +218,16 @@ def _as_typed(prefix: str) -> str:
 def run_where(args: argparse.Namespace) -> int:
     source = _open_split(args.config, args.split)
     positions = _positions(args)
-    origins = source.where(positions)
+    stream = _stream(source, args.state)
+    served = source if stream is None else stream  # where and locate as the run served the positions
+    origins = served.where(positions)
     records = [origin.to_dict() for origin in origins]
     if args.boundaries:
-        for record, boundaries in zip(records, _document_boundaries(source, positions)):
+        for record, boundaries in zip(records, _document_boundaries(source, served.locate(positions))):
             record.update(boundaries)
+    if stream is not None:  # the weights in force at each position, as the run served it
+        for record in records:
+            record["weights"] = [float(w) for w in stream.target_weights(record["position"])]
     if args.text:
         decoders: dict[int, object] = {}
         for origin, record in zip(origins, records):
@@ -196,7 +240,11 @@ def run_where(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records))
         return 0
+    shown = None
     for record in records:
+        if stream is not None and record["weights"] != shown:
+            shown = record["weights"]
+            print(f"weights in force from position {record['position']}: {_weights_line(source, shown)}")
         print(f"position {record['position']}  dataset {record['dataset']} ({_as_typed(record['prefix'])})  "
               f"sample {record['sample']}")
         for piece in record["pieces"]:
@@ -213,7 +261,9 @@ def run_find(args: argparse.Namespace) -> int:
     from tokenloom.source import steps_of
 
     source = _open_split(args.config, args.split)
-    positions = source.find(args.store, args.document)
+    stream = _stream(source, args.state)
+    positions = source.find(args.store, args.document) if stream is None else \
+        stream.positions_holding(args.store, args.document)
     out: dict = {"positions": [int(p) for p in positions]}
     if args.global_batch_size is not None:
         out["steps"] = [int(s) for s in steps_of(positions, args.global_batch_size)]
@@ -243,6 +293,9 @@ def register(subparsers) -> None:
     p.add_argument("--step", type=int, metavar="S", help="0-based optimizer step (with --global-batch-size)")
     p.add_argument("--global-batch-size", type=int, metavar="G")
     p.add_argument("--text", action="store_true", help="also decode each sample's tokens (needs a tokenizer record)")
+    p.add_argument("--state", metavar="STATE", help="a run's serving state (JSON, or saved by torch.save): positions "
+                   "as that run serves them, after its weight changes (online mixing too), skipped steps and "
+                   "quarantines, with the weights in force at each")
     p.add_argument("--inter-document-masking", dest="boundaries", action="store_true",
                    help="also print each sample's document boundaries as served with inter_document_masking: "
                    "cu_seqlens (without the padding to seq_length + 1) and max_seqlen")
@@ -259,5 +312,7 @@ def register(subparsers) -> None:
     p.add_argument("--store", required=True, metavar="PREFIX", help="the store, as the build config names it")
     p.add_argument("--document", required=True, type=int, metavar="D", help="document id within the store")
     p.add_argument("--global-batch-size", type=int, metavar="G", help="also list the 0-based steps")
+    p.add_argument("--state", metavar="STATE", help="a run's serving state (JSON, or saved by torch.save): the "
+                   "positions that run serves the document at, after its weight changes, skips and quarantines")
     p.add_argument("--json", action="store_true", help='print {"positions": [...]} (and "steps")')
     p.set_defaults(run=run_find)

@@ -30,6 +30,7 @@ from tokenloom.serve.fim import FimOptions, FimTransform
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.online import ExponentiatedGradient, OnlineMixing
+from tokenloom.serve.sampler import stream_from_state
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.topology import LoadMode, Topology
 
@@ -82,6 +83,7 @@ __all__ = [
     "by_store",
     "field_schema",
     "read_audit_log",
+    "stream_from_state",
     "summarize_audit",
     "summarize_skips",
 ]

@@ -254,17 +254,25 @@ class MicroBatchSampler:
                 f"{state['samples_per_micro_step']} samples per micro-step; this geometry takes "
                 f"{self.geometry.samples_per_micro_step}. Resume on another layout from a state "
                 "saved between steps")
-        segments = tuple(BlendSegment.from_dict(s) for s in state.get("blend_segments", []))
-        try:
-            skips = tuple((int(a), int(b)) for a, b in state.get("skipped_ranges", []))
-            quarantine = tuple((str(q["prefix"]), int(q["document"])) for q in state.get("quarantine", []))
-            quarantined = np.asarray([int(p) for p in state.get("quarantined_positions", [])], dtype=np.int64)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ConfigError(f"serving state: malformed skipped_ranges / quarantine / quarantined_positions "
-                              f"({exc}); expected [[begin, end], ...], [{{prefix, document}}, ...], "
-                              "[positions]") from None
-        self.stream = SampleStream(self.source, segments, skips=skips, quarantine=quarantine, quarantined=quarantined)
+        self.stream = stream_from_state(self.source, state)
         self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
+
+
+def stream_from_state(source: SampleSource, state: dict[str, Any]) -> SampleStream:
+    """The stream a serving state serves on ``source``: its weight changes, skipped steps and
+    quarantined documents (what ``tokenloom where`` and ``find`` read with ``--state``).
+    ConfigError for a state of another build or schema, or a malformed one."""
+    check_state(state, source.build_key)
+    segments = tuple(BlendSegment.from_dict(s) for s in state.get("blend_segments", []))
+    try:
+        skips = tuple((int(a), int(b)) for a, b in state.get("skipped_ranges", []))
+        quarantine = tuple((str(q["prefix"]), int(q["document"])) for q in state.get("quarantine", []))
+        quarantined = np.asarray([int(p) for p in state.get("quarantined_positions", [])], dtype=np.int64)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"serving state: malformed skipped_ranges / quarantine / quarantined_positions "
+                          f"({exc}); expected [[begin, end], ...], [{{prefix, document}}, ...], "
+                          "[positions]") from None
+    return SampleStream(source, segments, skips=skips, quarantine=quarantine, quarantined=quarantined)
 
 
 def refuse_on_length_runs(stream: SampleStream, what: str) -> None:
@@ -298,4 +306,4 @@ def check_state(state: dict[str, Any], build_key: str) -> None:
 
 
 __all__ = ["READABLE_VERSIONS", "SCHEMA_VERSION", "STATE_FORMAT", "MicroBatchSampler", "check_state",
-           "refuse_on_length_runs"]
+           "refuse_on_length_runs", "stream_from_state"]

@@ -177,6 +177,24 @@ class SampleStream:
         return self._with(quarantine=(*self.quarantine, *new),
                           quarantined=np.concatenate([self.quarantined, self._holding(items, start)]))
 
+    def where(self, positions) -> list:
+        """The origin of the sample at each logical position, as this stream serves it (after its
+        weight changes, skips and quarantines): :func:`tokenloom.source.provenance.where` through
+        the stream's ``locate``."""
+        from tokenloom.source.provenance import where
+
+        return where(_Served(self), positions)
+
+    def positions_holding(self, prefix: str, document: int) -> np.ndarray:
+        """Ascending logical positions of this stream whose sample holds tokens of store
+        ``prefix``'s document ``document``: ``find`` after the run's weight changes, skips and
+        quarantines (a position taken out holds nothing here)."""
+        found = np.unique(self._holding([(prefix, int(document))], 0))  # underlying positions
+        found = found[found < self.underlying_samples]
+        logical = self._logical_of(found)
+        kept = self.underlying(logical) == found  # a taken-out position maps onto the next served one
+        return logical[kept & (logical < self.num_samples)]
+
     def _holding(self, items, start: int) -> np.ndarray:
         """Underlying positions at or after ``start`` whose sample holds tokens of one of the
         ``(prefix, document)`` ``items``: their samples first, then one lookup per dataset."""
@@ -229,6 +247,17 @@ class SampleStream:
         if not self.quarantine:
             return stream
         return stream._with(quarantined=np.concatenate([stream.quarantined, stream._holding(self.quarantine, start)]))
+
+
+class _Served:
+    """A split read at a stream's logical positions: what provenance reads of a source."""
+
+    def __init__(self, stream: SampleStream) -> None:
+        self.stream = stream
+        self.name, self.readers, self.locator = stream.source.name, stream.source.readers, stream.source.locator
+
+    def locate(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        return self.stream.locate(np.asarray(positions, dtype=np.int64))
 
 
 def _merge(ranges) -> tuple[tuple[int, int], ...]:
