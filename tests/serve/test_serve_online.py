@@ -241,3 +241,37 @@ def test_the_state_holds_each_decision_once_and_a_schema_2_history_still_loads(s
     assert again.stream.segments == loader.stream.segments
     assert again.mixing.history == loader.mixing.history
     assert again.state_dict()["online_mixing"]["history"] == old["history"]
+
+
+def test_jax_hosts_serve_the_rank_loaders_decisions_and_resume_on_another_host_count(split):
+    """HostLoader takes online mixing: two hosts reporting the same global statistics serve the
+    rows a RankLoader of two data-parallel ranks serves, with the same decisions; a state saved
+    at step 17 resumes on four hosts with the same history."""
+    from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
+
+    reference = _loader(split, dp=2, micro=8)
+    whole = _run(reference, 30)
+    hosts = [HostLoader(split, global_batch_size=G, shard=ShardOptions(shard_index=i, shard_count=2),
+                        mixing=_mixing(len(split.datasets))) for i in range(2)]
+
+    def serve(hosts, steps: int, first: int) -> None:
+        for step in range(first, first + steps):
+            rows = [next(host) for host in hosts]
+            datasets = np.concatenate([r["dataset_id"] for r in rows]).astype(np.int64)
+            got = np.concatenate([r["tokens"] for r in rows])
+            expected = split.read_samples(*whole[step])[:, :-1]  # the same rows, whichever host holds each
+            assert np.array_equal(got[np.lexsort(got.T)], expected[np.lexsort(expected.T)]), step
+            tokens = np.bincount(datasets, minlength=len(LOSS)).astype(np.float64) * SEQ
+            loss = LOSS + 0.05 * ((step * 7 + np.arange(len(LOSS))) % 3)
+            assert len({host.report(tokens, tokens * loss) for host in hosts}) == 1
+
+    serve(hosts, 17, 0)
+    state = json.loads(json.dumps(hosts[0].state_dict()))
+    assert state == json.loads(json.dumps(hosts[1].state_dict()))
+    more = [HostLoader(split, global_batch_size=G, shard=ShardOptions(shard_index=i, shard_count=4),
+                       mixing=_mixing(len(split.datasets))) for i in range(4)]
+    for host in more:
+        host.load_state_dict(state)
+    serve(more, 13, 17)
+    assert more[0].mixing.history == reference.mixing.history[:len(more[0].mixing.history)]
+    assert len(more[0].mixing.history) >= 6

@@ -27,6 +27,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
+from tokenloom.serve.online import OnlineMixing
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.topology import Topology
 from tokenloom.source import SampleSource
@@ -75,7 +76,10 @@ class HostLoader:
     ``SampleOptions(inter_document_masking=True, boundary_format="segments")``."""
 
     def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
-                 max_steps: int | None = None, audit: MixtureAudit | None = None) -> None:
+                 max_steps: int | None = None, audit: MixtureAudit | None = None,
+                 mixing: OnlineMixing | None = None) -> None:
+        """``mixing``: online mixing (:class:`~tokenloom.serve.online.OnlineMixing`): every
+        process reports the same all-reduced statistics after every step (:meth:`report`)."""
         self.shard = ShardOptions.of(shard)
         if options.boundary_format == "thd":
             raise ConfigError("SampleOptions(boundary_format='thd') packs a micro-batch into one sequence whose "
@@ -89,7 +93,7 @@ class HostLoader:
         self.geometry = BatchGeometry(global_batch_size=global_batch_size, micro_batch_size=global_batch_size // count,
                                       dp=count)
         self._loader = RankLoader(source, self.geometry, topology=Topology(dp=count), rank=self.shard.shard_index,
-                                  options=options, max_steps=max_steps, audit=audit)
+                                  options=options, max_steps=max_steps, audit=audit, mixing=mixing)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return iter(self._loader)
@@ -116,6 +120,18 @@ class HostLoader:
     def reweight(self, weights) -> None:
         """Change the blend weights from the next step on (every process, between steps)."""
         self._loader.reweight(weights)
+
+    @property
+    def mixing(self) -> OnlineMixing | None:
+        """The online mixing this host serves (its ``history`` of decisions), or None."""
+        return self._loader.mixing
+
+    def report(self, tokens, loss_sums) -> bool:
+        """After every step, on every process: each dataset's tokens and summed loss in the global
+        batch (summed over processes, e.g. with ``jax.lax.psum`` in the step), as
+        :meth:`RankLoader.report <tokenloom.serve.loader.RankSchedule.report>`; True when it changed
+        the weights of a later step."""
+        return self._loader.report(tokens, loss_sums)
 
     def pass_steps(self, count: int) -> None:
         """Move past the next ``count`` steps without reading them (another reader serves them:
