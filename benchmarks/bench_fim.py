@@ -10,13 +10,16 @@
   sequence length; both sides read the same samples in the same order.
 * **tokenloom:** ``BatchPipeline(source, options=SampleOptions(fim=FimTransform(...)))`` on
   micro-batches of ``--micro`` samples: the fields of each micro-batch, FIM'd with each
-  sample's own generator (the tokenizer called once per micro-batch for decoding, once for
-  encoding). Beside it the same pipeline without FIM: what FIM costs over plain serving.
+  sample's own generator (the texts decoded a few calls per micro-batch by ``tokenizers``, the
+  parts encoded in one call by gigatoken, which gives ``tokenizers``' ids; the tokenizer as
+  ``load_tokenizer`` opens it). Its one-off scan of the tokenizer (cached) is done before timing
+  and reported. Beside it the same pipeline without FIM: what FIM costs over plain serving.
 * **Megatron-LM:** ``GPTFIMDataset._query_document_sample_shuffle_indices(i)`` (what
   ``GPTFIMDataset[i]`` calls; its ``__getitem__`` then makes the masks, not timed here, so the
   peer is timed for less than tokenloom does) over megatron-core's ``IndexedDataset`` and the same
-  index arrays, its tokenizer calls on the same ``tokenizers`` tokenizer, its one generator seeded
-  as Megatron-LM seeds it. Loaded from megatron-core's wheel (``megatron/training/datasets``).
+  index arrays, its tokenizer calls (``ids_to_text``, ``text_to_ids``) on the same tokenizer by
+  the ``tokenizers`` library, as Megatron-LM's HuggingFace tokenizer makes them, its one generator
+  seeded as Megatron-LM seeds it. Loaded from megatron-core's wheel (``megatron/training/datasets``).
 * **Check:** before timing, a few samples of each setting are permuted by Megatron-LM's code with
   tokenloom's per-sample generator and compared id for id.
 * **Timing:** ``--rounds`` rounds, each timing the three loops in a rotating order; the table
@@ -64,7 +67,7 @@ def train_tokenizer(work: str, vocab: int, files: list[str]):
             vocab_size=vocab, special_tokens=SPECIALS, show_progress=False,
             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
         model.save(path)
-    return HuggingFaceTokenizer(path, engine="hf")
+    return HuggingFaceTokenizer(path)  # gigatoken where it covers the tokenizer, as load_tokenizer gives it
 
 
 def write_corpus(work: str, codec, files: list[str]) -> str:
@@ -165,6 +168,10 @@ def main() -> None:
     files = stdlib_files()
     started = time.perf_counter()
     codec = train_tokenizer(args.work, args.vocab, files)
+    scan = time.perf_counter()
+    codec.encode_texts(["warm up"])  # gigatoken's one-off scan of the tokenizer (cached per tokenizer)
+    scan = time.perf_counter() - scan
+    print(f"first encode (the tokenizer's scan, or its cache): {scan:.1f} s, engine {codec.engine}", file=sys.stderr)
     prefix = write_corpus(args.work, codec, files)
     print(f"corpus: {len(files)} files -> {prefix} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     fim_module = megatron_fim_module()
@@ -217,7 +224,8 @@ def main() -> None:
               f"{s['tokenloom plain']:,.0f} | {r['fim_time_over_plain']:.1f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "machine": platform.node(), "cpus": os.cpu_count(),
+            json.dump({"rows": rows, "engine": codec.engine, "first_encode_s": round(scan, 2),
+                       "machine": platform.node(), "cpus": os.cpu_count(),
                        "load": os.getloadavg()}, f, indent=1)
 
 

@@ -189,3 +189,20 @@ def test_a_micro_batch_in_two_tokenizer_calls_permutes_as_row_by_row(codec, samp
         one_by_one = np.stack([transform.apply(rows[k], transform.sample_rng(4, k)) for k in range(60)])
         np.testing.assert_array_equal(batched, one_by_one, err_msg=str(changes))
         assert (batched != rows).any(axis=1).sum() > 20
+
+
+def test_gigatoken_encodes_the_cut_parts_to_the_ids_megatron_gets_from_tokenizers(codec, samples):
+    """The tokenizer as load_tokenizer opens it encodes a micro-batch's parts with gigatoken (what
+    FIM's speed rests on: BENCHMARKS.md, "Fill in the middle"); the permuted rows are those of the
+    ``tokenizers`` engine, which Megatron-LM's own code matches above. Its first call scans the
+    tokenizer once (cached)."""
+    from tokenloom.tokenization.tokenizers import HuggingFaceTokenizer
+
+    fast = HuggingFaceTokenizer(codec.path)
+    if fast.engine != "gigatoken":
+        pytest.skip(f"gigatoken does not cover this tokenizer here: {fast.engine_note}")
+    options = FimOptions(rate=0.9, spm_rate=0.5, extra_tokens=EXTRA, split_sample="<file_sep>", fragment_rate=0.5)
+    rows = np.stack(samples[:40])
+    reference = FimTransform(options, codec, seed=2).apply_rows(rows, [1] * 40, list(range(40)))
+    np.testing.assert_array_equal(FimTransform(options, fast, seed=2).apply_rows(rows, [1] * 40, list(range(40))),
+                                  reference)
