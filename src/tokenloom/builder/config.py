@@ -440,7 +440,7 @@ class BuildConfig:
         union, plan, _ = self._schedule_parts()
         text = format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch,
                                seq_length=int(self.seq_length))
-        if has_length_runs(plan):
+        if has_length_runs(plan, int(self.seq_length)):
             text += "\n" + format_length_runs(plan, union.spelt())
         if self.headroom:
             cap = "" if self.max_epochs is None else ", never past max_epochs"
@@ -461,7 +461,7 @@ class BuildConfig:
             return
         if self.phases is not None:
             union, plan, _ = self._schedule_parts()
-            if has_length_runs(plan):
+            if has_length_runs(plan, int(self.seq_length)):
                 room = epoch_room(self.max_epochs, union.prefixes, tokens_per_epoch or {})
                 check_token_room(plan, room, names=union.spelt())
                 return

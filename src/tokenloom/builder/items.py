@@ -339,7 +339,7 @@ def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> W
     plan = config.schedule_plan()
     column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
     served = [column[prefix] for prefix in prefixes]
-    schedule = schedule_blend_params(plan, served)
+    schedule = schedule_blend_params(plan, served, int(config.seq_length))
     # the split's datasets are its stores, or their length runs (schedule["columns"])
     weights = [float(plan.totals[d]) for d in served] if "columns" not in schedule else \
         [float(column[-1]) for column in schedule["columns"]]
@@ -377,7 +377,7 @@ def _split_datasets(config: BuildConfig, blend, split_index: int, size: int | No
     (:func:`_dataset_sizes`), except the train split of a schedule that changes the sequence
     length, whose datasets are its stores' length runs (:func:`~tokenloom.builder.schedule.schedule_columns`)."""
     plan = config.schedule_plan() if _is_schedule(config, split_index) else None
-    if has_length_runs(plan):
+    if has_length_runs(plan, int(config.seq_length)):
         union = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
         columns = schedule_columns(plan, [union[prefix] for prefix in blend.prefixes])
         prefixes = config.schedule_stores.prefixes

@@ -362,10 +362,11 @@ def schedule_columns(plan: SchedulePlan, served: Sequence[int]) -> list[Schedule
     return out
 
 
-def has_length_runs(plan: SchedulePlan | None) -> bool:
-    """Whether a schedule changes the sequence length, so its split's datasets are length runs
-    (some store's samples are not all of one width)."""
-    return plan is not None and len(set(plan.seq_lengths)) > 1
+def has_length_runs(plan: SchedulePlan | None, seq_length: int) -> bool:
+    """Whether a schedule's phases have a sequence length other than the build's ``seq_length``,
+    so its train split's datasets are :func:`schedule_columns` (each at its run's length; a store
+    of one run keeps today's index at that length) rather than the build's indices."""
+    return plan is not None and any(int(s) != int(seq_length) for s in plan.seq_lengths)
 
 
 def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
@@ -373,6 +374,9 @@ def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
     sequence length, samples and the stream token it starts at (FORMAT.md "Length runs")."""
     columns = schedule_columns(plan, range(plan.num_datasets))
     several = [c for c in columns if c.first_token is not None]
+    if not several:
+        return (f"length runs: none (every store keeps one seq_length; the train split's samples have "
+                f"{', '.join(str(s) for s in sorted(set(plan.seq_lengths)))} tokens)")
     lines = [f"length runs: the sequence length changes, so {len({c.store for c in several})} store(s) are read "
              "as runs, each from the token the one before stopped at"]
     for column in several:
@@ -382,7 +386,7 @@ def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str, Any]:
+def schedule_blend_params(plan: SchedulePlan, served: Sequence[int], seq_length: int) -> dict[str, Any]:
     """What the train split's blend item of a stateless schedule build hashes and rebuilds its
     plan from (:func:`schedule_plan_of`): each phase's weights over the union, its ramp and
     sequence length, the boundaries, the batch-size steps, the exact counts ``(P, D)``, and
@@ -394,7 +398,7 @@ def schedule_blend_params(plan: SchedulePlan, served: Sequence[int]) -> dict[str
     params = {"phases": phases, "boundaries": list(plan.boundaries),
               "batch_steps": [list(step) for step in plan.batch_steps],
               "counts": plan.counts.tolist(), "served": [int(d) for d in served]}
-    if has_length_runs(plan):  # keyed only where it says more than served (keys stay as they were)
+    if has_length_runs(plan, seq_length):  # keyed only where it says more than served (keys stay as they were)
         params["columns"] = [column.to_list() for column in schedule_columns(plan, served)]
     return params
 
