@@ -280,10 +280,11 @@ def refuse_on_length_runs(stream: SampleStream, what: str) -> None:
     cut end to end from its token stream, each sized for the schedule's own counts, so no run has
     room to serve more (FORMAT.md "Length runs")."""
     if getattr(stream.schedule, "columns", None) is not None:
-        raise ConfigError(f"{what} on this build: its schedule changes seq_length, so the train split reads "
-                          "stores as length runs cut end to end from their token streams, sized for the "
-                          "schedule's own counts, and no run has room for more; not supported yet: serve it "
-                          "with the declared weights, or build phases of one seq_length")
+        raise ConfigError(f"{what} on this build: its schedule has phases at a seq_length other than the "
+                          "build's, so the train split reads stores as length runs cut end to end from their "
+                          "token streams, sized for the schedule's own counts, and no run has room for more; not "
+                          "supported yet: serve it with the declared weights, or build phases at the build's "
+                          "seq_length")
 
 
 def check_state(state: dict[str, Any], build_key: str) -> None:
