@@ -44,6 +44,13 @@ EVERY steps scales the build's weights, effective LAG steps later. The decisions
 state are part of the loader's state, so a resume on any number of ranks serves the same weights.
 ``--min-weight`` keeps every dataset of the blend at least that share.
 
+``--fim-rate R`` trains code with fill-in-the-middle (tokenloom.serve.fim): each sample of the
+``--fim-store`` stores (every store without it) is permuted with probability R per piece, PSM or
+SPM (``--fim-spm-rate``), as Megatron-LM's ``GPTFIMDataset`` permutes it, from a generator of its
+own, so a resume on any number of ranks trains on the same permuted samples. The stores must be
+tokenized with a HuggingFace tokenizer whose vocabulary holds the ``--fim-tokens`` sentinels; the
+build's seed seeds the draws. The settings are kept in the checkpoint.
+
 ``--metrics FILE`` gets one JSON line per optimizer step (rank 0 writes): ``step`` (0-based, as
 tokenloom's serving state, audit log and ``tokenloom where --step`` count),
 ``loss``, ``tokens`` (of the global batch), ``batch_fingerprint`` (of the global batch's samples,
@@ -70,16 +77,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tokenloom
 from tokenloom import ConfigError
+from tokenloom.builder import load_build_config
 from tokenloom.io import IndexedDataset
 from tokenloom.serve import (
     BatchGeometry,
     ExponentiatedGradient,
+    FimOptions,
+    FimTransform,
     OnlineMixing,
     SampleOptions,
     Topology,
     batch_fingerprint,
 )
 from tokenloom.serve.torch_adapter import DistributedBatches
+from tokenloom.tokenization import load_tokenizer
 
 CHECKPOINT_FORMAT = "tokenloom-example-gpt-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -224,6 +235,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "learning rate LR, a decision every EVERY steps taking effect LAG steps later. Kept in the "
                         "checkpoint")
     p.add_argument("--min-weight", type=float, default=0.0, help="with --online-mixing: the least share of a dataset")
+    p.add_argument("--fim-rate", type=float, default=None, metavar="R",
+                   help="fill-in-the-middle: permute each piece of a code sample with probability R (Megatron-LM's "
+                        "fim_rate). Kept in the checkpoint")
+    p.add_argument("--fim-spm-rate", type=float, default=0.5, help="with --fim-rate: the share of SPM over PSM")
+    p.add_argument("--fim-store", action="append", default=[], metavar="PREFIX",
+                   help="with --fim-rate: a store whose samples are permuted (repeatable; default: every store)")
+    p.add_argument("--fim-tokens", default="<fim_prefix>,<fim_middle>,<fim_suffix>,<fim_pad>,<|endoftext|>",
+                   metavar="P,M,S,PAD,EOD", help="with --fim-rate: the spelling of the prefix, middle, suffix, pad "
+                                                  "and end-of-document tokens")
     p.add_argument("--quarantine", action="append", default=[], metavar="PREFIX:DOC",
                    help="never train on a sample holding a piece of document DOC of store PREFIX from now on; kept "
                         "in the checkpoint. Repeatable")
@@ -280,19 +300,45 @@ def model_config(args, vocab_size: int, seq_length: int) -> dict:
             "heads": args.heads}
 
 
-def sample_options(args) -> SampleOptions:
-    """What the loader serves: with ``--document-mask`` each sample's document boundaries."""
-    if args.document_mask:
-        return SampleOptions(inter_document_masking=True, boundary_format="thd")
-    return SampleOptions()
+def sample_options(args, split=None) -> SampleOptions:
+    """What the loader serves: with ``--document-mask`` each sample's document boundaries; with
+    ``--fim-rate`` the code stores' samples permuted (``split``'s stores give the tokenizer)."""
+    boundaries = {"inter_document_masking": True, "boundary_format": "thd"} if args.document_mask else {}
+    if args.fim_rate is None:
+        return SampleOptions(**boundaries)
+    stores = tuple(args.fim_store) or tuple(dict.fromkeys(d.name for d in split.datasets))
+    records = {}
+    for reader in split.readers:
+        records.setdefault(reader.name, (IndexedDataset(reader.prefix).metadata or {}).get("tokenizer") or {})
+    record = records.get(stores[0]) or next(iter(records.values()))
+    if record.get("kind") != "huggingface" or not record.get("path"):
+        raise ConfigError(f"--fim-rate: {stores[0]} was tokenized with {record.get('kind') or 'no recorded'} "
+                          "tokenizer; FIM needs the HuggingFace tokenizer.json it was tokenized with, holding the "
+                          "--fim-tokens sentinels")
+    names = args.fim_tokens.split(",")
+    if len(names) != 5:
+        raise ConfigError(f"--fim-tokens {args.fim_tokens!r}; expected five spellings: prefix,middle,suffix,pad,eod")
+    options = FimOptions.from_megatron({"fim_rate": args.fim_rate, "fim_spm_rate": args.fim_spm_rate,
+                                        "fim_extra_tokens": dict(zip(("prefix", "middle", "suffix", "pad", "eod"),
+                                                                     names))})
+    transform = FimTransform(options, load_tokenizer(record["path"]), seed=int(load_build_config(args.build).seed))
+    return SampleOptions(**boundaries, fim=transform, fim_stores=stores)
+
+
+def fim_settings(args) -> dict | None:
+    """What the checkpoint keeps of ``--fim-*`` (a resume must permute alike)."""
+    if args.fim_rate is None:
+        return None
+    return {"rate": args.fim_rate, "spm_rate": args.fim_spm_rate, "stores": list(args.fim_store),
+            "tokens": args.fim_tokens}
 
 
 def save_checkpoint(path: str, *, step: int, model: nn.Module, optimizer, batches, build_key: str,
-                    config: dict, document_mask: bool = False) -> None:
+                    config: dict, document_mask: bool = False, fim: dict | None = None) -> None:
     """Everything a resume needs, written after a whole optimizer step, atomically (rank 0)."""
     state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "build_key": build_key,
              "model_config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "loader": batches.state_dict(), "document_mask": document_mask}
+             "loader": batches.state_dict(), "document_mask": document_mask, "fim": fim}
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -379,7 +425,7 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
     mixing = online_mixing(args, len(split.datasets))
     batches = DistributedBatches(split, geometry, Topology(dp=world), rank, mode="every_rank",
                                  num_workers=args.num_workers, device=device, max_steps=args.steps,
-                                 options=sample_options(args), mixing=mixing)
+                                 options=sample_options(args, split), mixing=mixing)
 
     # 2. the model, identical on every rank (DDP also broadcasts rank 0's at the start)
     config = model_config(args, vocab_size_of(split, args.vocab_size), split.seq_length)
@@ -394,6 +440,9 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
         if bool(state.get("document_mask", False)) != args.document_mask:
             raise ConfigError(f"--resume: {path} was trained {'with' if state.get('document_mask') else 'without'} "
                               "--document-mask; resume it the same way (the attention it learned differs)")
+        if state.get("fim") != fim_settings(args):
+            raise ConfigError(f"--resume: {path} was trained with FIM settings {state.get('fim')}, these flags give "
+                              f"{fim_settings(args)}; resume with the same --fim-* flags (the samples differ)")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["loader"])  # any number of ranks: the state is layout-free
@@ -482,7 +531,8 @@ def train(args, rank: int, world: int, device: torch.device) -> None:
             if step % args.save_interval == 0 or step == args.steps:
                 if rank == 0:
                     save_checkpoint(path, step=step, model=model, optimizer=optimizer, batches=batches,
-                                    build_key=result.build_key, config=config, document_mask=args.document_mask)
+                                    build_key=result.build_key, config=config, document_mask=args.document_mask,
+                                    fim=fim_settings(args))
                 if world > 1:
                     dist.barrier()  # no rank runs ahead of a checkpoint being written
             progress.step(step, loss, tokens, time.perf_counter() - started, wait, args.log_interval)

@@ -6,6 +6,7 @@ build is refused."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -281,3 +282,48 @@ def test_online_mixing_moves_weight_to_the_harder_domain_and_resumes_on_another_
     resumed = _metrics(metrics)
     assert [m["weights"] for m in resumed] == [m["weights"] for m in reference]
     _same_run(resumed, reference)
+
+
+def test_fill_in_the_middle_trains_on_the_code_store_and_resumes_only_with_the_same_settings(builds, tmp_path):
+    """--fim-rate on stores tokenized by a BPE with FIM sentinels: the code store's samples are
+    permuted (their sentinels reach the model), the other store's are not, the run trains, the
+    settings are kept in the checkpoint, and stores of a byte tokenizer are refused by name."""
+    import importlib.util
+
+    from tokenloom.tokenization import TokenizeConfig, tokenize_to_store
+
+    spec = importlib.util.spec_from_file_location("serve_fixtures", os.path.join(ROOT, "tests", "serve",
+                                                                                 "serve_fixtures.py"))
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    tokenizer = fixtures.train_code_tokenizer(tmp_path)
+    stores = []
+    for name, files in (("code", fixtures.stdlib_sources(60, 40)), ("more", fixtures.stdlib_sources(100, 40))):
+        summary = tokenize_to_store(files, str(tmp_path / name), TokenizeConfig(tokenizer=tokenizer.path, workers=1))
+        stores.append(summary.prefix)
+    build = _write_build(tmp_path, stores)
+    fim = ["--fim-rate", "0.9", "--fim-store", stores[0], "--num-workers", "0"]
+    train(build, tmp_path / "ckpt", ranks=1, steps=3, metrics=tmp_path / "m.jsonl", extra=fim)
+    assert all(math.isfinite(m["loss"]) for m in _metrics(tmp_path / "m.jsonl"))
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["fim"]
+    assert saved == {"rate": 0.9, "spm_rate": 0.5, "stores": [stores[0]],
+                     "tokens": "<fim_prefix>,<fim_middle>,<fim_suffix>,<fim_pad>,<|endoftext|>"}
+    result = train(build, tmp_path / "ckpt", ranks=1, steps=5, resume=True, extra=["--fim-rate", "0.5"], expect=1)
+    assert "was trained with FIM settings" in result.stderr
+    # what the example serves: the code rows carry FIM's sentinels, the other store's none
+    example = _example_module()
+    args = example.parse_args(["--build", build, "--steps", "1", "--global-batch-size", str(GLOBAL),
+                               "--micro-batch-size", str(MICRO), "--checkpoint", str(tmp_path), *fim])
+    import tokenloom
+    from tokenloom.serve import BatchGeometry, RankLoader
+
+    split = tokenloom.build(build).split("train")
+    loader = RankLoader(split, BatchGeometry(global_batch_size=GLOBAL, micro_batch_size=GLOBAL, dp=1),
+                        options=example.sample_options(args, split))
+    batch = loader.next_batch()
+    sentinel = tokenizer.token_id("<fim_middle>")
+    has = (batch["tokens"] == sentinel).any(axis=1)
+    assert has[batch["dataset_id"] == 0].any() and not has[batch["dataset_id"] == 1].any()
+    byte_build = builds[1]
+    result = train(byte_build, tmp_path / "other", ranks=1, steps=1, extra=["--fim-rate", "0.5"], expect=1)
+    assert "--fim-rate:" in result.stderr and "FIM needs the HuggingFace tokenizer.json" in result.stderr
