@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tokenloom.io import IndexedDatasetWriter
 
@@ -111,3 +112,16 @@ def launch(world_size: int, steps: list[dict], out_dir, *, timeout_s: float = 12
         if result is not None and result.get("crashed"):
             raise AssertionError(f"rank {rank} crashed:\n{logs[rank]}")
     return results
+
+
+def two_rank_build(values: dict, tmp_path, *, build_key: str, cache_dir) -> list[dict]:
+    """The build config ``values`` again on two gloo ranks into ``tmp_path / "two"``: each rank's
+    outcome, checked to have the one-process ``build_key`` and ``cache_dir``'s cache files."""
+    pytest.importorskip("torch.distributed")
+    (tmp_path / "out").mkdir()
+    outcomes = [r["steps"][0] for r in launch(2, [{"config": {**values, "cache_dir": str(tmp_path / "two")}}],
+                                              tmp_path / "out", timeout_s=240)]
+    assert all(o["ok"] for o in outcomes), outcomes
+    assert {o["build_key"] for o in outcomes} == {build_key}
+    assert cache_files(tmp_path / "two") == cache_files(cache_dir)
+    return outcomes

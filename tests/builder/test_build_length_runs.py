@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tokenloom
-from build_fixtures import cache_files, launch, make_stores
+from build_fixtures import make_stores, two_rank_build
 from tokenloom.builder.config import build_config_from_dict
 from tokenloom.errors import ConfigError
 from tokenloom.index.split import split_document_ranges
@@ -169,14 +169,8 @@ def test_a_rebuild_takes_everything_from_the_cache(built):
 
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
-    pytest.importorskip("torch.distributed")
     root, values, _, result = built
-    (tmp_path / "out").mkdir()
-    outcomes = [r["steps"][0] for r in launch(2, [{"config": {**values, "cache_dir": str(tmp_path / "two")}}],
-                                              tmp_path / "out", timeout_s=240)]
-    assert all(o["ok"] for o in outcomes), outcomes
-    assert {o["build_key"] for o in outcomes} == {result.build_key}
-    assert cache_files(tmp_path / "two") == cache_files(root / "cache")
+    two_rank_build(values, tmp_path, build_key=result.build_key, cache_dir=root / "cache")
 
 
 @pytest.mark.parametrize("changes, key", [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tokenloom
-from build_fixtures import cache_files, launch, make_stores
+from build_fixtures import cache_files, make_stores, two_rank_build
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.config import build_config_from_dict
 from tokenloom.errors import ConfigError
@@ -191,17 +191,9 @@ def test_best_fit_serves_each_phase_whole_documents_and_every_store_numbers_on(t
 
 
 def _two_ranks(built, tmp_path) -> list[dict]:
-    """The built config again on two gloo ranks into ``tmp_path / "two"``: each rank's outcome,
-    checked to have the one-process build key and the one-process cache files."""
-    pytest.importorskip("torch.distributed")
+    """The built config again on two gloo ranks, checked against the one-process build."""
     root, values, _, result = built
-    (tmp_path / "out").mkdir()
-    outcomes = [r["steps"][0] for r in launch(2, [{"config": {**values, "cache_dir": str(tmp_path / "two")}}],
-                                              tmp_path / "out", timeout_s=240)]
-    assert all(o["ok"] for o in outcomes), outcomes
-    assert {o["build_key"] for o in outcomes} == {result.build_key}
-    assert cache_files(tmp_path / "two") == cache_files(root / "cache")
-    return outcomes
+    return two_rank_build(values, tmp_path, build_key=result.build_key, cache_dir=root / "cache")
 
 
 @pytest.mark.timeout(300)

@@ -26,7 +26,6 @@ import yaml
 from tokenloom.builder.schedule import (
     PhaseSpec,
     batch_size_steps,
-    check_token_room,
     epoch_room,
     format_length_runs,
     format_schedule,
@@ -463,7 +462,7 @@ class BuildConfig:
             union, plan, _ = self._schedule_parts()
             if has_length_runs(plan, int(self.seq_length)):
                 room = epoch_room(self.max_epochs, union.prefixes, tokens_per_epoch or {})
-                check_token_room(plan, room, names=union.spelt())
+                plan.check_room(room, names=union.spelt(), tokens=True)
                 return
         else:
             blend, size = self.blend_for_split(0), self.train_samples

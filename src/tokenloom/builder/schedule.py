@@ -265,26 +265,6 @@ def epoch_room(max_epochs: Any, prefixes: Sequence[str], samples_per_epoch: Mapp
     return room
 
 
-def check_token_room(plan: SchedulePlan, room, *, names: Sequence[str]) -> None:
-    """:meth:`SchedulePlan.check_room` in tokens, for a schedule that changes the sequence length
-    (its stores' length runs read on through their token streams): ConfigError naming the first
-    store and phase whose input tokens by the phase's end pass ``room`` (``(D,)`` tokens each
-    may give: ``max_epochs`` epochs of its train documents)."""
-    room = np.asarray(room, dtype=np.int64).reshape(-1)
-    tokens = plan.counts * np.asarray(plan.seq_lengths, dtype=np.int64)[:, None]  # (P, D)
-    needed = np.cumsum(tokens, axis=0)
-    over = needed > room[None, :]
-    if not over.any():
-        return
-    phase, d = (int(i) for i in np.argwhere(over)[0])  # the earliest phase, then the first store
-    others = int(over.any(axis=0).sum()) - 1
-    raise ConfigError(
-        f"{names[d]!r}: the schedule reads {int(needed[phase, d]):,} tokens of its train documents by the end of "
-        f"phase {phase + 1} ({int(tokens[phase, d]):,} there, at seq_length {plan.seq_lengths[phase]}), more than "
-        f"the {int(room[d]):,} its max_epochs allows{f'; {others} more store(s) run out too' if others else ''}: "
-        f"lower its weight in phase {phase + 1} or raise max_epochs")
-
-
 def format_schedule(plan: SchedulePlan, names: Sequence[str], *, prefixes: Sequence[str] | None = None,
                     samples_per_epoch: Mapping[str, int] | None = None, seq_length: int | None = None) -> str:
     """The dry run's schedule: per phase what its ``until`` asked, where the phase ended (the
@@ -425,7 +405,6 @@ __all__ = [
     "PhaseSpec",
     "ScheduleColumn",
     "batch_size_steps",
-    "check_token_room",
     "epoch_room",
     "format_length_runs",
     "format_schedule",

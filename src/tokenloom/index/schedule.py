@@ -418,23 +418,31 @@ class SchedulePlan:
         return dataclasses.replace(self, segments=segments,
                                    splits=(*self.splits, ScheduleSplit(position=position, weights=checked)))
 
-    def check_room(self, room, *, names: Sequence[str] | None = None, what: str = "max_epochs") -> None:
+    def check_room(self, room, *, names: Sequence[str] | None = None, what: str = "max_epochs",
+                   tokens: bool = False) -> None:
         """ConfigError unless every dataset's index can give what the schedule asks of it by the
         end of every phase: ``room`` (``(D,)`` samples each can give, e.g. ``max_epochs`` epochs)
-        against :attr:`cumulative`, naming the first dataset and phase that would run out."""
+        against :attr:`cumulative`, naming the first dataset and phase that would run out.
+        ``tokens``: ``room`` is in tokens and the need is each phase's samples times its
+        ``seq_length`` (a schedule whose phases change it reads its stores as tokens)."""
         room = np.asarray(room, dtype=np.int64).reshape(-1)
         if room.shape[0] != self.cumulative.shape[1]:
             raise ConfigError(f"room has {room.shape[0]} entries; expected one per dataset "
                               f"({self.cumulative.shape[1]})")
-        over = self.cumulative[1:] > room[None, :]  # (P, D)
+        taken = self.counts * np.asarray(self.seq_lengths, dtype=np.int64)[:, None] if tokens else self.counts
+        needed = np.cumsum(taken, axis=0)  # (P, D): by the end of each phase
+        over = needed > room[None, :]
         if not over.any():
             return
         phase, d = (int(i) for i in np.argwhere(over)[0])  # the earliest phase, then the lowest id
         name = f"dataset {d}" + (f" ({names[d]!r})" if names is not None else "")
         others = int(over.any(axis=0).sum()) - 1
+        need = (f"reads {int(needed[phase, d]):,} tokens of its train documents by the end of phase {phase + 1} "
+                f"({int(taken[phase, d]):,} there, at seq_length {self.seq_lengths[phase]})" if tokens else
+                f"needs {int(needed[phase, d])} of its samples by the end of phase {phase + 1} "
+                f"({int(taken[phase, d])} in that phase)")
         raise ConfigError(
-            f"{name}: the schedule needs {int(self.cumulative[phase + 1, d])} of its samples by the end of phase "
-            f"{phase + 1} ({int(self.counts[phase, d])} in that phase), more than the {int(room[d])} its {what} "
+            f"{name}: the schedule {need}, more than the {int(room[d]):{',' if tokens else ''}} its {what} "
             f"allows{f'; {others} more dataset(s) run out too' if others else ''}: lower its weight in phase "
             f"{phase + 1} or raise {what}")
 
