@@ -7,7 +7,9 @@ Two modes share one sample semantics (:mod:`tokenloom.index.epochs`):
 * stateless: :func:`build_stateless_gpt_index` and :class:`Blend` answer "which tokens form
   sample i" in O(1)-ish time with no per-sample array;
 
-and whole documents packed by best fit (:func:`pack_best_fit`) serve either blend. This package
+and whole documents packed by best fit (:func:`pack_best_fit`) serve either blend. A global
+batch's samples are placed on (rank, micro-batch) slots by their attention cost
+(:class:`CostModel`, :func:`assign_slots`) when serving balances ranks. This package
 exports the kernels a user calls and the arrays they return; the build's own planning of epochs,
 splits and blends (``epochs``, ``blend_spec``) stays importable from its modules.
 
@@ -18,6 +20,7 @@ imports numba.
 """
 
 from tokenloom import _moved
+from tokenloom.index.balance import CostModel, assign_slots
 from tokenloom.index.best_fit import BestFitPacking, pack_best_fit
 from tokenloom.index.blend import Blend
 from tokenloom.index.feistel import FeistelPermutation
@@ -54,10 +57,12 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BestFitPacking",
     "Blend",
+    "CostModel",
     "FeistelPermutation",
     "GPTIndices",
     "SplitDocumentRanges",
     "StatelessGPTIndex",
+    "assign_slots",
     "build_megatron_gpt_indices",
     "build_stateless_gpt_index",
     "document_ids",

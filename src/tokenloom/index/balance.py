@@ -1,0 +1,244 @@
+"""Balanced ranks: a global batch's samples placed on (data-parallel rank, micro-batch) slots.
+
+With document masking a sample's attention work grows with the squares of its documents'
+lengths, so the same number of samples is not the same work: a rank that drew one-document
+samples waits for nobody, and every other rank waits for it at the gradient all-reduce. Every
+rank knows the whole global batch from the index before reading a token, so each one computes
+the same placement from the batch's document lengths alone, with no collective, and reads only
+its own samples. The set of samples of the batch does not change, only where each one goes.
+
+**The cost of a sample** (:class:`CostModel`) is ``a * sum_documents L(L+1)/2 + b * tokens``,
+counted in FLOPs of one transformer layer's forward pass. The documents are the ones the
+attention kernel sees, the segments of megatron-core's ``cu_seqlens``
+(:func:`served_document_pairs` follows ``tokenloom.serve.samples.document_fields``' rule: the
+pieces the index cut the sample from, the extra token off the last one, a short sample's
+padding joined to its last document). A causal kernel computes, for a document of ``L`` tokens,
+``L(L+1)/2`` query-key pairs, each a dot product for the score and a weighted sum of values
+over the head width: ``2 d + 2 d = 4 d`` FLOPs at model width ``d``, so ``a = 4 d``. Each token
+also passes the dense layers: the query, key, value and output projections, ``2 d (2 d + 2
+d_kv)`` FLOPs (``d_kv = d`` without grouped-query attention), and the MLP, ``2 d f`` per matrix
+(two matrices, three when gated), so ``b = 8 d^2 + 4 d f`` for the classic ``f = 4 d`` MLP, i.e.
+``24 d^2``. The backward pass costs about twice the forward for both terms (FlashAttention's
+backward recomputes the scores, a little more), so the ratio ``a / b = 1 / (6 d)`` holds for the
+step. At ``d = 4096`` (the default, :data:`DEFAULT_HIDDEN_SIZE`: Llama-2-7B's width) attention
+equals the dense work of a document at ``L = 12 d``, about 49k tokens: it is a sixth of the
+work of one 8k-token document, and half of a 24k one, which is why balance matters more as
+sequences grow. ``tokens`` is the sample's input width ``S``: every column passes the dense
+layers, padding included.
+
+Balancing by ``"tokens"`` (for samples served without document boundaries, whose attention
+is the same full ``S x S`` triangle for all) counts instead each sample's real tokens: the input
+columns holding a token, padding excluded (a best-fit sample's padding is what differs).
+
+**The assignment** (:func:`assign_slots`) is LPT (longest processing time first) in rounds,
+then pairwise swaps, twice: over the data-parallel ranks, then over each rank's micro-batches
+(pipeline bubbles follow the slowest micro-batch). Every rank holds exactly ``G / dp`` samples
+and every micro-batch exactly ``micro`` of them, so the partition is one with equal
+cardinalities. LPT in rounds keeps that by construction: the samples, costliest first, are
+dealt ``dp`` at a time, the costliest of a round to the rank with the least load so far, so a
+round changes the gap between two ranks by at most the spread of that round's costs. Then the
+heaviest rank swaps one sample for a cheaper one of another rank while that lowers the pair's
+larger load, the best swap first. Karmarkar-Karp's differencing is the better heuristic for two
+sets, but its k-way form with equal cardinalities merges whole k-tuples per step and gains
+little when each rank holds several samples, where the swaps close most of what LPT leaves;
+this costs ``O(G log G)`` plus one ``(G/dp) x G`` comparison per swap, in numpy.
+
+It is a pure function of the costs in stream order and the layout: ties go by cost, then by
+stream order, then by the lowest rank, so every rank computes the same placement, and the loads
+it gives do not depend on the order the samples are listed in. The rank sets it finds are kept
+only when their costliest rank costs strictly less than the unbalanced order's (Megatron's:
+rank ``r`` of micro-step ``m`` reads offsets ``m micro dp + r micro + [0, micro)``), and the
+micro-batches likewise against the rank's samples in stream order: balancing is never worse
+than not balancing, and where it gains nothing (all costs equal) the order stays Megatron's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+from tokenloom.validate import is_integer
+
+__all__ = ["BALANCES", "DEFAULT_HIDDEN_SIZE", "CostModel", "assign_slots", "served_document_pairs",
+           "served_real_tokens", "slot_costs"]
+
+BALANCES = ("attention", "tokens")
+"""What a balance evens out: ``"attention"``, the cost model over the documents; ``"tokens"``,
+the real tokens (for samples served without document boundaries)."""
+
+DEFAULT_HIDDEN_SIZE = 4096
+"""The model width of the default cost model (Llama-2-7B's, MHA, ``f = 4d``)."""
+
+_SWAPS_PER_LEVEL = 256
+"""Most swaps one level of the assignment makes: each lowers the heaviest load, and LPT leaves
+few worth making; the cap bounds the cost of a batch of many equal costs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """``attention * sum_documents L(L+1)/2 + tokens * S``: one sample's work, in integer units
+    (FLOPs of one layer's forward pass by default; only the ratio matters). Integers, so that
+    every rank adds loads exactly and computes the same placement on any machine."""
+
+    attention: int
+    """``a``: cost of one query-key pair inside a document (``4 d`` FLOPs at width ``d``)."""
+    tokens: int
+    """``b``: cost of one token through the dense layers (``8 d^2 + 4 d f`` FLOPs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("attention", "tokens"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 0:
+                raise ConfigError(f"CostModel.{name}={value!r}; expected a non-negative integer (FLOPs, or any "
+                                  "unit: only the ratio attention / tokens matters)")
+            object.__setattr__(self, name, int(value))
+        if self.attention == 0 and self.tokens == 0:
+            raise ConfigError("CostModel(attention=0, tokens=0); expected at least one positive weight")
+
+    @classmethod
+    def for_width(cls, hidden_size: int = DEFAULT_HIDDEN_SIZE, *, ffn_hidden_size: int | None = None,
+                  kv_channels_total: int | None = None, gated: bool = False) -> CostModel:
+        """The FLOPs of one layer's forward pass (module docstring): ``a = 4 d``, ``b = 2 d (2 d +
+        2 d_kv) + 2 d f m`` with ``m`` = 2 matrices (3 when ``gated``), ``f`` =
+        ``ffn_hidden_size`` (default ``4 d``), ``d_kv`` = ``kv_channels_total`` (key/value
+        heads x head width; default ``d``)."""
+        for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                            ("kv_channels_total", kv_channels_total)):
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ConfigError(f"CostModel.for_width {name}={value!r}; expected a positive integer")
+        d = int(hidden_size)
+        f = 4 * d if ffn_hidden_size is None else int(ffn_hidden_size)
+        kv = d if kv_channels_total is None else int(kv_channels_total)
+        return cls(attention=4 * d, tokens=2 * d * (2 * d + 2 * kv) + 2 * d * f * (3 if gated else 2))
+
+    def sample_costs(self, pairs: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """(B,) int64 costs of samples with ``pairs`` query-key pairs and ``widths`` input tokens
+        (ConfigError where a sum would overflow int64: a model and sequence far beyond today's)."""
+        pairs = np.asarray(pairs, dtype=np.int64)
+        widths = np.asarray(widths, dtype=np.int64)
+        if pairs.size and (int(pairs.max()) * self.attention + int(widths.max()) * self.tokens) * pairs.size >= 2**62:
+            raise ConfigError(f"{self} on {pairs.size} samples of up to {int(widths.max())} tokens overflows int64 "
+                              "loads; give a CostModel in coarser units (divide both weights)")
+        return pairs * self.attention + widths * self.tokens
+
+
+def served_document_pairs(lengths: np.ndarray, bounds: np.ndarray, seq_lengths, add_extra_token: bool
+                          ) -> np.ndarray:
+    """(B,) int64: ``sum L(L+1)/2`` over the documents of each sample as served with document
+    boundaries, from its pieces (``lengths[bounds[k]:bounds[k + 1]]``, the index's
+    ``SampleSpans``, at least one per sample) and its input width ``seq_lengths`` (scalar or
+    ``(B,)``): megatron-core's ``cu_seqlens`` segments, the extra token off the last piece (a
+    last piece of only the extra token dropped), the last document running to ``S``."""
+    lengths = np.asarray(lengths, dtype=np.int64)  # (P,)
+    bounds = np.asarray(bounds, dtype=np.int64)  # (B + 1,)
+    batch = bounds.shape[0] - 1
+    seq = np.broadcast_to(np.asarray(seq_lengths, dtype=np.int64), (batch,))
+    counts = np.diff(bounds)  # (B,) pieces
+    if batch and int(counts.min()) < 1:
+        raise ConfigError("served_document_pairs: a sample with no piece; expected at least one per sample")
+    last = bounds[1:] - 1  # (B,) index of each sample's last piece
+    n = counts.copy()
+    if add_extra_token:  # a last piece that held only the extra token is no document
+        n -= (counts >= 2) & (lengths[last] == 1)
+    # pieces before the (kept) last one are documents as they are; the last runs to S
+    index_in_sample = np.arange(lengths.shape[0]) - np.repeat(bounds[:-1], counts)  # (P,)
+    inner = index_in_sample < np.repeat(n - 1, counts)  # (P,)
+    inner_lengths = np.where(inner, lengths, 0)
+    inner_pairs = np.concatenate([[0], np.cumsum(inner_lengths * (inner_lengths + 1) // 2)])
+    inner_tokens = np.concatenate([[0], np.cumsum(inner_lengths)])
+    tail = np.maximum(seq - (inner_tokens[bounds[1:]] - inner_tokens[bounds[:-1]]), 0)  # (B,)
+    return inner_pairs[bounds[1:]] - inner_pairs[bounds[:-1]] + tail * (tail + 1) // 2
+
+
+def served_real_tokens(lengths: np.ndarray, bounds: np.ndarray, seq_lengths) -> np.ndarray:
+    """(B,) int64: input columns of each sample holding a token (its pieces' tokens, at most
+    ``S``; the rest is padding)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    total = np.concatenate([[0], np.cumsum(lengths)])
+    return np.minimum(total[bounds[1:]] - total[bounds[:-1]], np.asarray(seq_lengths, dtype=np.int64))
+
+
+def _check_layout(num: int, dp: int, micro_batch_size: int) -> int:
+    for name, value in (("dp", dp), ("micro_batch_size", micro_batch_size)):
+        if not is_integer(value) or value < 1:
+            raise ConfigError(f"{name}={value!r}; expected a positive integer")
+    per = dp * micro_batch_size
+    if num < 1 or num % per:
+        raise ConfigError(f"a global batch of {num} samples does not fill micro-batches of {micro_batch_size} on "
+                          f"{dp} data-parallel ranks ({per} samples per micro-step); expected a positive multiple of "
+                          f"{per}")
+    return num // per
+
+
+def _partition(costs: np.ndarray, bins: int) -> np.ndarray:
+    """(bins, len(costs) / bins) int64 indices into ``costs``: LPT in rounds, then swaps out of
+    the heaviest bin (module docstring); each row ascending."""
+    per = costs.shape[0] // bins
+    order = np.lexsort((np.arange(costs.shape[0]), -costs))  # costliest first, ties by index
+    members = np.empty((bins, per), dtype=np.int64)
+    loads = np.zeros(bins, dtype=np.int64)
+    for t in range(per):
+        dealt = order[t * bins:(t + 1) * bins]  # descending
+        lightest = np.lexsort((np.arange(bins), loads))  # least load first, ties by bin
+        members[lightest, t] = dealt
+        loads[lightest] += costs[dealt]
+    if per > 1 and bins > 1:
+        for _ in range(_SWAPS_PER_LEVEL):
+            heavy = int(np.argmax(loads))  # the first of the heaviest
+            mine = costs[members[heavy]]  # (per,)
+            theirs = costs[members]  # (bins, per)
+            delta = mine[:, None, None] - theirs[None, :, :]  # (per, bins, per) load moved off the heavy bin
+            after = np.maximum(loads[heavy] - delta, loads[None, :, None] + delta)
+            useful = (delta > 0) & (after < loads[heavy])
+            useful[:, heavy, :] = False
+            if not useful.any():
+                break
+            best = int(np.argmin(np.where(useful, after, np.iinfo(np.int64).max)))  # first of the best
+            i, other, j = np.unravel_index(best, delta.shape)
+            moved = int(delta[i, other, j])
+            members[heavy, i], members[other, j] = members[other, j], members[heavy, i]
+            loads[heavy] -= moved
+            loads[other] += moved
+    members.sort(axis=1)
+    return members
+
+
+def assign_slots(costs, *, dp: int, micro_batch_size: int) -> np.ndarray:
+    """(G,) int64: the global batch's offsets (indices into ``costs``, its samples in stream
+    order) in slot order: slot ``m * micro * dp + r * micro + j`` is sample ``j`` of data-parallel
+    rank ``r``'s micro-batch ``m``, the order Megatron's sampler reads positions in. Inside a
+    micro-batch the offsets ascend. See the module docstring for the rule and its guarantees.
+    ConfigError when the batch does not fill the layout's micro-batches."""
+    costs = np.asarray(costs)
+    if costs.ndim != 1 or not np.issubdtype(costs.dtype, np.integer):
+        raise ConfigError(f"assign_slots costs of shape {costs.shape} and dtype {costs.dtype}; expected one "
+                          "integer cost per sample of the global batch (CostModel.sample_costs)")
+    costs = costs.astype(np.int64)
+    micro = micro_batch_size
+    num_micro = _check_layout(costs.shape[0], dp, micro)
+    # (M, dp, micro) -> (dp, M * micro): each rank's offsets in Megatron's order
+    plain = np.arange(costs.shape[0], dtype=np.int64).reshape(num_micro, dp, micro).transpose(1, 0, 2)
+    plain = plain.reshape(dp, num_micro * micro)
+    ranks = _partition(costs, dp)
+    if costs[ranks].sum(axis=1).max() >= costs[plain].sum(axis=1).max():
+        ranks = plain
+    slots = np.empty((num_micro, dp, micro), dtype=np.int64)
+    for r in range(dp):
+        held = np.sort(ranks[r])  # (M * micro,) this rank's offsets in stream order
+        plain_micro = held.reshape(num_micro, micro)
+        split = held[_partition(costs[held], num_micro)] if num_micro > 1 else plain_micro
+        if costs[split].sum(axis=1).max() >= costs[plain_micro].sum(axis=1).max():
+            split = plain_micro
+        slots[:, r, :] = split
+    return slots.reshape(-1)
+
+
+def slot_costs(costs, order: np.ndarray, *, dp: int, micro_batch_size: int) -> np.ndarray:
+    """(M, dp) int64: each micro-batch's cost when the samples of ``costs`` (stream order) are
+    placed by ``order`` (:func:`assign_slots`'s, or ``arange`` for the unbalanced order)."""
+    costs = np.asarray(costs, dtype=np.int64)
+    num_micro = _check_layout(costs.shape[0], dp, micro_batch_size)
+    return costs[np.asarray(order, dtype=np.int64)].reshape(num_micro, dp, micro_batch_size).sum(axis=2)
