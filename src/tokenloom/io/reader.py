@@ -25,6 +25,15 @@ from tokenloom.io.format import (
     normalize_prefix,
     parse_header,
 )
+from tokenloom.io.loss_mask import (
+    MASK_HEADER_SIZE,
+    RECORD_KEY,
+    check_mask_header,
+    check_record,
+    mask_path,
+    read_bit_range,
+    read_bits_at,
+)
 from tokenloom.validate import check_positions, is_integer
 
 
@@ -35,6 +44,16 @@ def _map_readonly(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
+def _span_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``(sum(lengths),)`` int64: the .bin positions of every token of spans ``starts``/``lengths``."""
+    total = int(lengths.sum())
+    # positions: (total,) int64 = start of each span + rank inside its span
+    span_of_token = np.repeat(np.arange(lengths.size), lengths)
+    first_out = np.cumsum(lengths) - lengths
+    return starts[span_of_token] + (np.arange(total) - first_out[span_of_token])
+
+
+# long: a store's one reader; its tokens, spans and their loss masks share one set of range checks
 class IndexedDataset:
     """A Megatron-format token store, opened by prefix.
 
@@ -113,6 +132,8 @@ class IndexedDataset:
             self.tokens = bin_bytes[:usable].view(self.dtype)
         self._metadata: dict | None = None
         self._metadata_loaded = False
+        self._mask_bits = None
+        self._mask_checked = False
 
     # -- sizes ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -149,6 +170,65 @@ class IndexedDataset:
                     raise FormatError(f"{path}: sidecar must hold a JSON object, got {self._metadata!r:.60}")
             self._metadata_loaded = True
         return self._metadata
+
+    # -- the loss mask (tokenloom.io.loss_mask) --------------------------------------------------
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the store carries a loss-mask sidecar (``PREFIX.mask``, recorded in
+        ``PREFIX.meta.json``); checked against the store when first asked (FormatError naming the
+        file when its size or header does not match)."""
+        return self.loss_mask_bits is not None
+
+    @property
+    def loss_mask_bits(self):
+        """The sidecar's bit bytes (token t is bit ``t & 7`` of byte ``t >> 3``), a read-only
+        array or a remote object's bytes read in blocks; None without a sidecar."""
+        if not self._mask_checked:
+            self._mask_bits = self._open_mask()
+            self._mask_checked = True
+        return self._mask_bits
+
+    def _open_mask(self):
+        record = (self.metadata or {}).get(RECORD_KEY)
+        if record is None:
+            return None
+        meta_file = meta_path(self.prefix)
+        record = check_record(record, meta_file)
+        path = mask_path(self.prefix)
+        bin_tokens = self.bin_size // self.itemsize
+        if self.is_remote:
+            info = s3.head(path)
+            head = s3.get_range(info, 0, min(info.size, MASK_HEADER_SIZE))
+            check_mask_header(head, path, info.size, record, bin_tokens, meta_file)
+            return remote.RemoteBytes(info, MASK_HEADER_SIZE)
+        if not os.path.isfile(path):
+            raise FormatError(f"{path}: missing, but {meta_file} records a loss-mask sidecar of {record['bytes']} "
+                              "bytes; copy the .mask file with the store, or write the store again")
+        with open(path, "rb") as f:
+            head = f.read(MASK_HEADER_SIZE)
+        check_mask_header(head, path, os.path.getsize(path), record, bin_tokens, meta_file)
+        return _map_readonly(path)[MASK_HEADER_SIZE:]
+
+    def get_loss_mask(self, sequence_id: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """The loss mask of tokens ``[offset, offset + length)`` of one sequence, sliced as
+        :meth:`get`: ``(length,)`` uint8, 1 where the token is in the loss; all ones for a store
+        without a sidecar (callers need no branch)."""
+        tokens = self.get(sequence_id, offset, length)  # the range checks
+        if self.loss_mask_bits is None:
+            return np.ones(tokens.shape[0], dtype=np.uint8)
+        start = int(self.sequence_pointers[self._check_sequence(sequence_id)]) // self.itemsize + offset
+        return read_bit_range(self.loss_mask_bits, start, start + tokens.shape[0])
+
+    def read_loss_mask_spans(self, sequence_ids, offsets, lengths) -> np.ndarray:
+        """The loss masks of the spans :meth:`read_spans` reads, concatenated: ``(sum(lengths),)``
+        uint8 (all ones without a sidecar)."""
+        starts, lengths = self._span_starts(sequence_ids, offsets, lengths)
+        total = int(lengths.sum())
+        if self.loss_mask_bits is None:
+            return np.ones(total, dtype=np.uint8)
+        if starts.size == 1:
+            return read_bit_range(self.loss_mask_bits, int(starts[0]), int(starts[0]) + total)
+        return read_bits_at(self.loss_mask_bits, _span_positions(starts, lengths))
 
     # -- reads ----------------------------------------------------------------------------------
     def _check_sequence(self, sequence_id) -> int:
@@ -194,6 +274,19 @@ class IndexedDataset:
 
         Returns a new array (not a view) of ``sum(lengths)`` tokens.
         """
+        starts, lengths = self._span_starts(sequence_ids, offsets, lengths)
+        if starts.size == 0:
+            return np.zeros(0, dtype=self.dtype)
+        total = int(lengths.sum())
+        if self.is_remote:
+            return self.tokens.read_runs(starts, lengths)
+        if starts.size == 1:
+            return np.array(self.tokens[starts[0] : starts[0] + total])
+        return self.tokens[_span_positions(starts, lengths)]
+
+    def _span_starts(self, sequence_ids, offsets, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, lengths)``: each span's first token position in the .bin, and its length
+        (int64); the spans checked against their sequences."""
         sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -203,7 +296,7 @@ class IndexedDataset:
                 f"{sequence_ids.shape}, {offsets.shape}, {lengths.shape}"
             )
         if sequence_ids.size == 0:
-            return np.zeros(0, dtype=self.dtype)
+            return sequence_ids, lengths
         n = self.header.num_sequences
         check_positions(sequence_ids, n, what=f"{self.prefix} holds {n} sequences", name="sequence ids")
         seq_lengths = self.sequence_lengths[sequence_ids].astype(np.int64)
@@ -213,17 +306,7 @@ class IndexedDataset:
                                 f"{int(offsets[bad] + lengths[bad])}) of sequence {int(sequence_ids[bad])}) runs "
                                 f"outside its sequence of {int(seq_lengths[bad])} tokens")
         # starts: (num_spans,) int64 token positions in the .bin
-        starts = self.sequence_pointers[sequence_ids] // self.itemsize + offsets
-        total = int(lengths.sum())
-        if self.is_remote:
-            return self.tokens.read_runs(starts, lengths)
-        if sequence_ids.size == 1:
-            return np.array(self.tokens[starts[0] : starts[0] + total])
-        # positions: (total,) int64 = start of each span + rank inside its span
-        span_of_token = np.repeat(np.arange(lengths.size), lengths)
-        first_out = np.cumsum(lengths) - lengths
-        positions = starts[span_of_token] + (np.arange(total) - first_out[span_of_token])
-        return self.tokens[positions]
+        return self.sequence_pointers[sequence_ids] // self.itemsize + offsets, lengths
 
     def copy_bin_to(self, fileobj) -> None:
         """Write the whole .bin to the binary file ``fileobj`` (streamed; a remote one in large GETs)."""
@@ -236,7 +319,8 @@ class IndexedDataset:
 
     def close(self) -> None:
         """Drop the memory maps (views handed out earlier keep theirs alive)."""
-        self._idx = self.tokens = None  # type: ignore[assignment]
+        self._idx = self.tokens = self._mask_bits = None  # type: ignore[assignment]
+        self._mask_checked = False
 
     def __repr__(self) -> str:
         return (

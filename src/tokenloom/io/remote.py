@@ -12,7 +12,8 @@ file lock makes the ranks of a node download it once; the others wait and map th
 (slices and integer-array indexing) and reads aligned blocks of ``block_bytes`` with ranged GETs,
 several at once (consecutive blocks in one GET), through :class:`BlockCache`, an LRU bounded in
 bytes. Blocks are keyed by URL and
-ETag, so a cache never answers for another version.
+ETag, so a cache never answers for another version. A loss-mask sidecar (``PREFIX.mask``) is read
+the same way (:class:`RemoteBytes`).
 """
 
 from __future__ import annotations
@@ -290,6 +291,32 @@ class RemoteTokens:
         """The whole object in order, ``chunk_bytes`` at a time (not through the block cache)."""
         for start in range(0, self.info.size, chunk_bytes):
             yield s3.get_range(self.info, start, min(self.info.size, start + chunk_bytes))
+
+
+class RemoteBytes:
+    """The bytes of an object from ``offset`` on, read as :class:`RemoteTokens` reads a .bin (cached
+    blocks, slices and integer-array indexing): a loss-mask sidecar's bits after its header
+    (:mod:`tokenloom.io.loss_mask`), which travel beside the .bin and are read the same way."""
+
+    ndim = 1
+
+    def __init__(self, info: s3.ObjectInfo, offset: int) -> None:
+        self._bytes = RemoteTokens(info, np.dtype(np.uint8))
+        self.offset = int(offset)
+        self.size = max(0, info.size - self.offset)
+        self.shape = (self.size,)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key) -> np.ndarray:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.size)
+            return self._bytes[start + self.offset: max(start, stop) + self.offset: step]
+        positions = np.asarray(key, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.size):
+            raise IndexError(f"{self._bytes.info.url}: bytes outside [0, {self.size}) after the header")
+        return self._bytes[positions.reshape(-1) + self.offset].reshape(positions.shape)
 
 
 class _ObjectReader(io.RawIOBase):

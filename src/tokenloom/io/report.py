@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from tokenloom.errors import FormatError
-from tokenloom.io.format import HEADER_SIZE
+from tokenloom.io.format import HEADER_SIZE, meta_path
+from tokenloom.io.loss_mask import RECORD_KEY, bits_digest, mask_path
 from tokenloom.io.reader import IndexedDataset
 
 _CHUNK = 1 << 24  # elements per pass over the big arrays: bounded memory at any corpus size
@@ -17,7 +18,8 @@ def validate(dataset: IndexedDataset) -> None:
     """Check every array of ``dataset`` against the others and against the .bin size.
 
     Raises FormatError naming the file, the byte offset of the first bad entry and what was
-    expected. Runs in O(sequences) time with O(1) extra memory per chunk.
+    expected. Runs in O(sequences) time with O(1) extra memory per chunk; a loss-mask sidecar is
+    read whole too (1/8 byte per token) and its bits checked against the SHA-256 its record keeps.
     """
     n = dataset.num_sequences
     lengths, pointers, docs = dataset.sequence_lengths, dataset.sequence_pointers, dataset.document_indices
@@ -70,6 +72,13 @@ def validate(dataset: IndexedDataset) -> None:
                 f"{docs_offset + 8 * i}, smaller than the one before ({int(docs[i - 1])}); "
                 "expected a non-decreasing array"
             )
+    if dataset.has_loss_mask:  # opening it checked its size and header against the store
+        record = dataset.metadata[RECORD_KEY]
+        digest = bits_digest(dataset.loss_mask_bits, record["num_tokens"])
+        if digest != record["sha256"]:
+            raise FormatError(f"{mask_path(dataset.prefix)}: its bits have SHA-256 {digest[:16]}... but "
+                              f"{meta_path(dataset.prefix)} records {record['sha256'][:16]}...; the mask was "
+                              "changed or damaged after the store was written")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,11 @@ memory as numpy chunks (4 bytes per sequence). ``finalize`` computes the pointer
 document arrays vectorised, writes the .idx to a temporary file, fsyncs both and renames
 them into place, the .idx last: a store whose .idx exists is complete. A crash, an
 exception inside ``with`` or Ctrl-C leaves no file under the target names.
+
+Loss masks (``loss_mask=`` of the ``add_*`` methods) stream the same way into a hidden
+temporary ``PREFIX.mask`` (:mod:`tokenloom.io.loss_mask`), opened when the first document
+brings one (the tokens before it are all in the loss); ``finalize`` renames it into place
+before the .idx and records it in ``PREFIX.meta.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from tokenloom.io.format import (
     meta_path,
     normalize_prefix,
 )
+from tokenloom.io.loss_mask import RECORD_KEY, MaskBitsWriter, check_mask_values, mask_path
 from tokenloom.io.s3 import is_remote
 from tokenloom.io.space import full_disk_error, is_full
 
@@ -164,6 +170,7 @@ def write_index_file(path: str, dtype: np.dtype, sequence_lengths, document_indi
         os.fsync(f.fileno())
 
 
+# long: one streaming writer of the three files (tokens, index, mask), whose adds share its checks and state
 class IndexedDatasetWriter:
     """Write a token store at ``prefix`` in one streaming pass.
 
@@ -194,6 +201,8 @@ class IndexedDatasetWriter:
         self._num_tokens = 0
         self._last_boundary = 0
         self._state = "open"
+        self._mask: MaskBitsWriter | None = None
+        """The sidecar's bits, from the first document given a loss mask on."""
         self.expected_bytes: int | None = None
         """What the whole store will take, where the caller knows it (a merge): named when the
         disk fills."""
@@ -235,9 +244,26 @@ class IndexedDatasetWriter:
                                needed=needed if needed is not None else self.expected_bytes,
                                written=self._num_tokens * self.dtype.itemsize)
 
-    def _append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def _as_mask(self, loss_mask, tokens: np.ndarray, what: str) -> np.ndarray | None:
+        if loss_mask is None:
+            return None
+        return check_mask_values(self.prefix, loss_mask, int(tokens.size), what)
+
+    def _start_mask(self) -> MaskBitsWriter:
+        """The sidecar's writer, opened now if no document had a mask yet (those are all ones)."""
+        if self._mask is None:
+            fd, tmp = _temp_beside(mask_path(self.prefix))
+            self._mask = MaskBitsWriter(tmp, os.fdopen(fd, "wb", buffering=1 << 20))
+            self._mask.append_ones(self._num_tokens)
+        return self._mask
+
+    def _append(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         try:
             self._bin.write(tokens.tobytes())
+            if mask is not None:
+                self._start_mask().append(mask)
+            elif self._mask is not None:
+                self._mask.append_ones(tokens.size)
         except OSError as exc:
             if is_full(exc):
                 raise self._full(exc) from None
@@ -246,8 +272,12 @@ class IndexedDatasetWriter:
         self._num_sequences += int(lengths.size)
         self._num_tokens += int(tokens.size)
 
-    def add_sequence(self, tokens) -> None:
-        """Append one sequence to the current document (close it with ``end_document``)."""
+    def add_sequence(self, tokens, *, loss_mask=None) -> None:
+        """Append one sequence to the current document (close it with ``end_document``).
+
+        ``loss_mask``: one 0 or 1 (bool or integer) per token, 1 where the token is a target the
+        loss counts; None: every token is. A store gets a ``PREFIX.mask`` sidecar once any
+        sequence has a mask (module docstring)."""
         self._check_open()
         tokens = self._as_tokens(tokens)
         if tokens.size > _INT32_MAX:
@@ -255,7 +285,8 @@ class IndexedDatasetWriter:
                 f"{self.prefix}: a sequence of {tokens.size} tokens exceeds the format's int32 "
                 "length field; split the document"
             )
-        self._append(tokens, np.array([tokens.size], dtype=np.int64))
+        mask = self._as_mask(loss_mask, tokens, f"sequence {self._num_sequences}")
+        self._append(tokens, np.array([tokens.size], dtype=np.int64), mask)
 
     def end_document(self) -> None:
         """Close the current document after the sequences added since the last one."""
@@ -265,13 +296,14 @@ class IndexedDatasetWriter:
         self._boundary_chunks.append(np.array([self._num_sequences], dtype=np.int64))
         self._last_boundary = self._num_sequences
 
-    def add_document(self, tokens) -> None:
-        """Append one document of one sequence."""
-        self.add_sequence(tokens)
+    def add_document(self, tokens, *, loss_mask=None) -> None:
+        """Append one document of one sequence (``loss_mask``: as :meth:`add_sequence`)."""
+        self.add_sequence(tokens, loss_mask=loss_mask)
         self.end_document()
 
-    def add_documents(self, tokens, lengths) -> None:
-        """Append ``len(lengths)`` one-sequence documents whose tokens are concatenated."""
+    def add_documents(self, tokens, lengths, *, loss_mask=None) -> None:
+        """Append ``len(lengths)`` one-sequence documents whose tokens are concatenated;
+        ``loss_mask``: one 0 or 1 per token of ``tokens`` (as :meth:`add_sequence`), or None."""
         self._check_open()
         if self._num_sequences != self._last_boundary:
             raise ConfigError(f"{self.prefix}: add_documents() inside an open document")
@@ -287,7 +319,8 @@ class IndexedDatasetWriter:
             raise InputError(
                 f"{self.prefix}: lengths sum to {int(lengths.sum())} but {tokens.size} tokens were given"
             )
-        self._append(tokens, lengths)
+        mask = self._as_mask(loss_mask, tokens, f"documents {self._last_boundary}..")
+        self._append(tokens, lengths, mask)
         self._boundary_chunks.append(self._num_sequences - lengths.size + 1 + np.arange(lengths.size, dtype=np.int64))
         self._last_boundary = self._num_sequences
 
@@ -308,7 +341,8 @@ class IndexedDatasetWriter:
         """Append every document of an open ``IndexedDataset``, copying its .bin as bytes.
 
         The caller validates ``dataset`` first (``tokenloom.io.validate``): its .bin must hold
-        exactly the tokens its .idx describes. ``copy_bytes=False`` records the documents only:
+        exactly the tokens its .idx describes. Its loss mask comes along (ones where it has none,
+        once this store has a mask). ``copy_bytes=False`` records the documents only:
         their bytes were written into :attr:`temp_bin_path` at this point by someone else
         (after :meth:`reserve`).
         """
@@ -320,13 +354,17 @@ class IndexedDatasetWriter:
                 f"cannot append {dataset.prefix} (dtype {dataset.dtype}) to {self.prefix} "
                 f"(dtype {self.dtype}); stores must share one token dtype"
             )
-        if copy_bytes:
-            try:
+        try:
+            if copy_bytes:
                 dataset.copy_bin_to(self._bin)
-            except OSError as exc:
-                if is_full(exc):
-                    raise self._full(exc) from None
-                raise
+            if dataset.has_loss_mask:
+                self._start_mask().append_bits(dataset.loss_mask_bits, dataset.num_tokens)
+            elif self._mask is not None:
+                self._mask.append_ones(dataset.num_tokens)
+        except OSError as exc:
+            if is_full(exc):
+                raise self._full(exc) from None
+            raise
         self._length_chunks.append(np.array(dataset.sequence_lengths, dtype=np.int32))
         # boundaries of the appended documents, shifted past the sequences already written
         self._boundary_chunks.append(np.asarray(dataset.document_indices[1:]) + self._num_sequences)
@@ -346,16 +384,24 @@ class IndexedDatasetWriter:
     def finalize(self, metadata: dict | None = None) -> None:
         """Make the store visible: fsync, write the .idx, rename both (the .idx last).
 
-        ``metadata`` (a JSON-serialisable dict) becomes the ``PREFIX.meta.json`` sidecar.
+        ``metadata`` (a JSON-serialisable dict) becomes the ``PREFIX.meta.json`` sidecar, with
+        the loss mask's record (:mod:`tokenloom.io.loss_mask`) when a document had a mask; an
+        older ``PREFIX.mask`` is removed when none did.
         """
         self._check_open()
         if self._num_sequences != self._last_boundary:
             raise ConfigError(f"{self.prefix}: finalize() with an open document; call end_document()")
         idx_tmp = None
+        mask_tmp = None if self._mask is None else self._mask.temp_path
         try:
             self._bin.flush()
             os.fsync(self._bin.fileno())
             self._bin.close()
+            if metadata is not None and RECORD_KEY in metadata:  # another store's record: not this store's
+                metadata = {k: v for k, v in metadata.items() if k != RECORD_KEY}
+            if self._mask is not None:
+                record = self._mask.finish(os.path.basename(mask_path(self.prefix)))
+                metadata = {**(metadata or {}), RECORD_KEY: record}
             lengths = (
                 np.concatenate(self._length_chunks) if self._length_chunks else np.zeros(0, np.int32)
             )
@@ -365,6 +411,10 @@ class IndexedDatasetWriter:
             write_index_file(idx_tmp, self.dtype, lengths, boundaries)
             # An older store under this name must not look valid beside the new .bin.
             _remove_quietly(idx_path(self.prefix))
+            if mask_tmp is not None:
+                os.replace(mask_tmp, mask_path(self.prefix))
+            else:
+                _remove_quietly(mask_path(self.prefix))
             if metadata is not None:
                 write_json_atomic(meta_path(self.prefix), metadata)
             else:
@@ -378,6 +428,8 @@ class IndexedDatasetWriter:
             _remove_quietly(self._bin_tmp)
             if idx_tmp is not None:
                 _remove_quietly(idx_tmp)
+            if self._mask is not None:
+                self._mask.abort()
             if is_full(exc):
                 index_bytes = 8 * (self._num_sequences * 2 + self._last_boundary + 1) + 64
                 raise full_disk_error(exc, os.path.dirname(os.path.abspath(self.prefix)),
@@ -394,6 +446,8 @@ class IndexedDatasetWriter:
         self._state = "aborted"
         _close_quietly(self._bin)  # its buffer goes with the file: a full disk must not fail the abort
         _remove_quietly(self._bin_tmp)
+        if self._mask is not None:
+            self._mask.abort()
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
