@@ -166,3 +166,16 @@ def test_megatron_core_loads_the_tokens_of_a_masked_store(tmp_path):
     for i in range(len(ds)):
         assert theirs[i].tolist() == ds.get(i).tolist()
     assert theirs.document_indices.tolist() == ds.document_indices.tolist()
+
+
+def test_format_md_worked_example(tmp_path):
+    """FORMAT.md, "The loss-mask sidecar": the bytes of its worked example."""
+    with IndexedDatasetWriter(str(tmp_path / "chat")) as w:
+        w.add_document([10, 11, 12, 13, 256], loss_mask=[0, 0, 1, 1, 1])
+        w.add_document([33, 256])
+        w.finalize()
+    data = open(tmp_path / "chat.mask", "rb").read()
+    assert data == b"TLMASK\x00\x01" + (1).to_bytes(8, "little") + (7).to_bytes(8, "little") + bytes([0x7C])
+    record = json.load(open(tmp_path / "chat.meta.json"))["loss_mask"]
+    assert record["sha256"].startswith("cbe5cfdf") and record["tokens_outside_loss"] == 2
+    assert record == {**record, "bytes": 25, "file": "chat.mask", "format": "bits", "num_tokens": 7, "version": 1}
