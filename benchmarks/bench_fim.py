@@ -10,9 +10,9 @@
   sequence length; both sides read the same samples in the same order.
 * **tokenloom:** ``BatchPipeline(source, options=SampleOptions(fim=FimTransform(...)))`` on
   micro-batches of ``--micro`` samples: the fields of each micro-batch, FIM'd with each
-  sample's own generator (the texts decoded a few calls per micro-batch by ``tokenizers``, the
-  parts encoded in one call by gigatoken, which gives ``tokenizers``' ids; the tokenizer as
-  ``load_tokenizer`` opens it). Its one-off scan of the tokenizer (cached) is done before timing
+  sample's own generator (the texts decoded a few calls per micro-batch and the parts encoded
+  in one call, both by gigatoken on the calling thread, which gives ``tokenizers``' text and ids;
+  the tokenizer as ``load_tokenizer`` opens it). Its one-off scan of the tokenizer (cached) is done before timing
   and reported. Beside it the same pipeline without FIM: what FIM costs over plain serving.
 * **Megatron-LM:** ``GPTFIMDataset._query_document_sample_shuffle_indices(i)`` (what
   ``GPTFIMDataset[i]`` calls; its ``__getitem__`` then makes the masks, not timed here, so the
@@ -81,7 +81,8 @@ def write_corpus(work: str, codec, files: list[str]) -> str:
     for name in files:
         with open(name, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
-    tokens, lengths = codec.encode_texts(texts)
+    tokens, lengths = codec.encode_batch(texts)  # whole files: the pipeline's path (encode_texts is for parts)
+    tokens = tokens.astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     with IndexedDatasetWriter(prefix, dtype=np.uint16 if codec.vocab_size < 65500 else np.int32) as writer:
         for k in range(0, len(texts), 4):

@@ -192,10 +192,10 @@ def test_a_micro_batch_in_two_tokenizer_calls_permutes_as_row_by_row(codec, samp
 
 
 def test_gigatoken_encodes_the_cut_parts_to_the_ids_megatron_gets_from_tokenizers(codec, samples):
-    """The tokenizer as load_tokenizer opens it encodes a micro-batch's parts with gigatoken (what
-    FIM's speed rests on: BENCHMARKS.md, "Fill in the middle"); the permuted rows are those of the
-    ``tokenizers`` engine, which Megatron-LM's own code matches above. Its first call scans the
-    tokenizer once (cached)."""
+    """The tokenizer as load_tokenizer opens it decodes a micro-batch's pieces and encodes its
+    parts with gigatoken (what FIM's speed rests on: BENCHMARKS.md, "Fill in the middle"); the
+    permuted rows are those of the ``tokenizers`` engine, which Megatron-LM's own code matches
+    above. Its first call scans the tokenizer once (cached)."""
     from tokenloom.tokenization.tokenizers import HuggingFaceTokenizer
 
     fast = HuggingFaceTokenizer(codec.path)

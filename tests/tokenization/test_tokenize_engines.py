@@ -7,6 +7,7 @@ model and the NFKC-normalised BPE must fall back and say so.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -41,6 +42,13 @@ TRICKY = [
 def _reference(path: str, texts) -> list[list[int]]:
     tokenizer = tokenizers.Tokenizer.from_file(path)
     return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
+@functools.cache
+def _loaded(path: str):
+    """One tokenizer per file for the hypothesis tests: loading (and reading the cached code point
+    scan) costs more than an example."""
+    return load_tokenizer(path)
 
 
 def _split(tokens, lengths) -> list[list[int]]:
@@ -83,9 +91,45 @@ def test_every_family_encodes_the_tricky_texts_as_the_tokenizers_library_does(to
                       max_size=6))
 def test_random_text_gets_the_same_ids_from_gigatoken(tokenizer_files, texts):
     for name in COVERED:
-        tokenizer = load_tokenizer(tokenizer_files[name])
+        tokenizer = _loaded(tokenizer_files[name])
         assert tokenizer.engine == "gigatoken"
         assert _split(*tokenizer.encode_batch(texts)) == _reference(tokenizer_files[name], texts), name
+        assert _split(*tokenizer.encode_texts(texts)) == _reference(tokenizer_files[name], texts), name  # few
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_gives_the_tokenizers_library_text_on_any_ids(tokenizer_files, data):
+    """FIM decodes by gigatoken where the tokenizer is byte-level: the text must stay the
+    ``tokenizers`` library's, special tokens skipped, on any ids, broken UTF-8 included (a
+    sample cut inside a character), and every id of the vocabulary alone."""
+    for name in COVERED + NOT_COVERED:
+        tokenizer = _loaded(tokenizer_files[name])
+        reference = tokenizers.Tokenizer.from_file(tokenizer_files[name])
+        size = reference.get_vocab_size(with_added_tokens=True)
+        low = st.integers(0, 300)  # the byte tokens and first merges: most ways to break UTF-8
+        batch = data.draw(st.lists(st.lists(st.one_of(low, st.integers(0, size - 1)), max_size=40), max_size=4))
+        expected = reference.decode_batch(batch, skip_special_tokens=True)
+        assert tokenizer.decode_batch(batch) == expected, name
+        assert [tokenizer.decode(ids) for ids in batch] == expected, name
+    assert load_tokenizer(tokenizer_files["gpt2"])._gigatoken_drops() is not None  # the fast path is tested
+
+
+def test_decode_of_each_id_and_of_added_tokens_that_are_not_special(tokenizer_files, tmp_path):
+    for name in ("gpt2", "llama3"):
+        tokenizer = load_tokenizer(tokenizer_files[name])
+        reference = tokenizers.Tokenizer.from_file(tokenizer_files[name])
+        every = [[i] for i in range(reference.get_vocab_size(with_added_tokens=True))]
+        assert tokenizer.decode_batch(every) == reference.decode_batch(every, skip_special_tokens=True), name
+    spec = json.load(open(tokenizer_files["gpt2"], encoding="utf-8"))
+    spec["added_tokens"].append({**spec["added_tokens"][0], "id": len(spec["model"]["vocab"]) + 5,
+                                 "content": "<file sep>", "special": False})
+    path = tmp_path / "added.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    tokenizer, reference = load_tokenizer(str(path)), tokenizers.Tokenizer.from_file(str(path))
+    assert tokenizer._gigatoken_drops() is None  # a non-special added token: tokenizers decodes
+    ids = [[spec["added_tokens"][-1]["id"], 0, 40, 41]]
+    assert tokenizer.decode_batch(ids) == reference.decode_batch(ids, skip_special_tokens=True)
 
 
 def _jsonl(path, texts) -> str:

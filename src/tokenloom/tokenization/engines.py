@@ -51,6 +51,20 @@ class GigatokenEncoder:
         a thread pool in the main process, the calling thread inside a worker process."""
         return gigatoken_ids(self._tokenizer.encode_batch(list(texts)))
 
+    def encode_few(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode_batch` of a few short texts (fill-in-the-middle's cut parts) on the
+        calling thread into one padded array: the same ids, without the thread pool's hand-off
+        and the awkward array, which cost more than encoding such parts. The padded array is
+        (texts x longest), so this is for parts of one sample, not for documents."""
+        ids, lengths = self._tokenizer.encode_batch_padded(list(texts), pad_id=0)  # (N, longest), (N,)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return ids[np.arange(ids.shape[1]) < lengths[:, None]], lengths  # row-major: (T,), back to back
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The bytes of ``ids`` as the tokenizer's decoder joins them (the caller drops the
+        special tokens and makes text of the bytes, see ``HuggingFaceTokenizer.decode_batch``)."""
+        return self._tokenizer.decode(ids)
+
 
 def gigatoken_ids(encoded) -> tuple[np.ndarray, np.ndarray]:
     """gigatoken's ``encode_batch`` result (an awkward array, documents x ids) as ``(tokens (T,),
