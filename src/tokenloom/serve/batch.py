@@ -8,7 +8,9 @@ on top of it), the PyTorch ``ServeDataset`` -- turns a micro-batch into numpy fi
    ``inter_document_masking``, ``source.read_pieces``: the rows and their document pieces, read by
    the same gather);
 2. builds megatron-core's fields (:func:`~tokenloom.serve.samples.build_fields`), each row with
-   its own dataset's EOD id, and the document-boundary fields from the pieces;
+   its own dataset's EOD id, and the document-boundary fields from the pieces; where a store of
+   the micro-batch carries a loss mask (``source.read_loss_masks``), ``loss_mask`` is multiplied
+   by the mask of each label (:func:`label_loss_mask`);
 3. keeps the fields a pipeline stage consumes (``fields``; None keeps all);
 4. cuts the context-parallel rank's two sequence chunks
    (:func:`~tokenloom.serve.topology.context_parallel_slice`; ``cu_seqlens`` and ``max_seqlen``
@@ -84,6 +86,10 @@ class BatchPipeline:
             check_pieces(source)
         self._fim = None if options.fim is None else fim_datasets(source, options)
         """(num_datasets,) bool: the datasets whose samples FIM permutes (None: no FIM)."""
+        if self._fim is not None:
+            check_fim_unmasked(source, self._fim)
+        self._masks = callable(getattr(source, "read_loss_masks", None))
+        """The source can read its stores' loss masks (a source of tokenloom.source can)."""
 
     def read(self, dataset_ids, sample_ids) -> dict[str, np.ndarray]:
         """Every field of the micro-batch of samples ``(dataset_ids[k], sample_ids[k])``; see the
@@ -107,10 +113,16 @@ class BatchPipeline:
                 return f"{self.source.datasets[int(dataset_ids[row])].name}: sample {int(sample_ids[row])}"
 
             return self.from_rows(tokens, dataset_ids, pieces=(ends, counts), describe_row=describe,
-                                  permuted=permuted)
+                                  permuted=permuted, store_mask=self._store_masks(dataset_ids, sample_ids))
         rows = self.source.read_samples(dataset_ids, sample_ids)  # (B, seq_length + add_extra_token)
         rows, _, permuted = self._permuted(rows, dataset_ids, sample_ids, None)
-        return self.from_rows(rows, dataset_ids, permuted=permuted)
+        return self.from_rows(rows, dataset_ids, permuted=permuted,
+                              store_mask=self._store_masks(dataset_ids, sample_ids))
+
+    def _store_masks(self, dataset_ids: np.ndarray, sample_ids: np.ndarray) -> np.ndarray | None:
+        """``(B, width)`` uint8: the stores' loss masks of the rows, column for column; None when
+        no store of the micro-batch has one (:meth:`BlendedSource.read_loss_masks`)."""
+        return self.source.read_loss_masks(dataset_ids, sample_ids) if self._masks else None
 
     def _permuted(self, rows: np.ndarray, dataset_ids: np.ndarray, sample_ids: np.ndarray, pieces):
         """FIM on the rows of the datasets it permutes: ``(rows, pieces, permuted)``, the pieces
@@ -131,11 +143,13 @@ class BatchPipeline:
         return rows, pieces, permuted
 
     def from_rows(self, rows: np.ndarray, dataset_ids, *, pieces=None, describe_row=None,
-                  permuted: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                  permuted: np.ndarray | None = None, store_mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Steps 2-5 on rows already read: ``rows[k]`` is a sample of dataset ``dataset_ids[k]``;
         ``pieces``: the rows' ``(ends, counts)`` (:class:`~tokenloom.source.protocol.PieceRows`);
         ``describe_row``: what an error calls row k; ``permuted``: ``(B,)`` bool, the rows FIM
-        permuted (their FIM pad tokens are outside the loss)."""
+        permuted (their FIM pad tokens are outside the loss); ``store_mask``: ``rows``-shaped 0/1,
+        the stores' loss masks of the rows' tokens (:func:`label_loss_mask` aligns them with the
+        labels; None: every token is in the loss)."""
         dataset_ids = np.asarray(dataset_ids, dtype=np.int64)  # (B,)
         out = build_fields(rows, eod_ids=self._eod_ids[dataset_ids], pad_id=self.source.pad_id,
                            add_extra_token=self.source.add_extra_token, options=self.options, pieces=pieces,
@@ -144,6 +158,8 @@ class BatchPipeline:
             labels = rows[:, 1:] if self.source.add_extra_token else \
                 np.concatenate([rows[:, 1:], np.full((rows.shape[0], 1), -1, dtype=rows.dtype)], axis=1)
             out["loss_mask"][permuted[:, None] & (labels == self.options.fim.pad_id)] = 0.0
+        if store_mask is not None:
+            out["loss_mask"] *= label_loss_mask(store_mask, self.source.add_extra_token)
         if self.fields is not None:
             out = {name: value for name, value in out.items() if name in self.fields}
         if self.cp_size > 1 and not self._packed:  # (B, S) -> (B, S / cp); attention_mask -> (B, 1, S / cp, S)
@@ -228,6 +244,31 @@ def fim_datasets(source: SampleSource, options: SampleOptions) -> np.ndarray:
     return chosen
 
 
+def label_loss_mask(store_mask: np.ndarray, add_extra_token: bool) -> np.ndarray:
+    """``(B, S)`` uint8: the stores' mask of each label, from the mask of the row's tokens
+    ``(B, S + add_extra_token)``. Label ``t`` is token ``t + 1``, so the mask of token ``t + 1``
+    decides whether predicting it is in the loss, as Megatron-LM's ``SFTDataset`` makes
+    ``loss_mask = labels != IGNORE_INDEX`` with ``labels = targets[1:]``. Without the extra token
+    the last label is padding (outside the loss through the padding mask): its entry here is 1."""
+    if add_extra_token:
+        return store_mask[:, 1:]
+    return np.concatenate([store_mask[:, 1:], np.ones((store_mask.shape[0], 1), dtype=store_mask.dtype)], axis=1)
+
+
+def check_fim_unmasked(source: SampleSource, permuted: np.ndarray) -> None:
+    """ConfigError when a dataset FIM permutes has a loss mask: FIM re-tokenizes a sample's text
+    at character cuts, so a token of the result has no token of the store whose mask it would
+    take. Serve such stores without FIM (``fim_stores`` naming the others)."""
+    has_mask = getattr(source, "has_loss_mask", None)
+    if not callable(has_mask):
+        return
+    masked = [source.datasets[d].name for d in np.flatnonzero(permuted).tolist() if has_mask(d)]
+    if masked:
+        raise ConfigError(f"SampleOptions.fim would permute {masked[:5]}{' ...' if len(masked) > 5 else ''}, whose "
+                          "stores carry a loss mask (PREFIX.mask); FIM re-tokenizes a sample's text, so its tokens "
+                          "have no mask to take: list only unmasked stores in fim_stores")
+
+
 def check_pieces(source: SampleSource) -> None:
     """ConfigError when ``source`` cannot say where its samples' documents end (it has no
     ``read_pieces``), which ``inter_document_masking`` needs."""
@@ -249,5 +290,5 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
             "in PREFIX.meta.json); pass eod_id= when building the source, or turn those options off")
 
 
-__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_pieces", "field_schema", "fim_datasets",
-           "finish_micro_batch", "read_fields"]
+__all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_fim_unmasked", "check_pieces", "field_schema",
+           "fim_datasets", "finish_micro_batch", "label_loss_mask", "read_fields"]

@@ -7,7 +7,8 @@ this builds, for every row at once:
 * ``labels`` -- the targets, ``row[1:]`` (without the extra token: the row rolled left by one, its
   last label the pad id);
 * ``loss_mask`` -- 1.0, 0.0 where the label is padding, and (``eod_mask_loss``) where the input
-  token is the end-of-document id;
+  token is the end-of-document id (the batch pipeline then multiplies in the stores' own loss
+  masks, :func:`tokenloom.serve.batch.label_loss_mask`);
 * ``position_ids`` -- ``0..S-1``, restarting at 0 after every EOD with ``reset_position_ids``;
 * ``attention_mask`` (``create_attention_mask``) -- ``(B, 1, S, S)`` bool, True where attention is
   *masked*: above the diagonal, and with ``reset_attention_mask`` across EOD boundaries.

@@ -8,7 +8,10 @@ dataset of the blend. Serving asks it two things, both vectorised over many posi
 * :meth:`SampleSource.read_samples` -- the tokens of many (dataset, sample) pairs, one row each;
 * ``read_pieces`` (optional) -- the same rows plus where each document piece of a row ends
   (:class:`PieceRows`), for the document-boundary fields (``inter_document_masking``). A source
-  without it serves every field but those.
+  without it serves every field but those;
+* ``read_loss_masks`` (optional) -- the stores' loss masks of the same rows (``PREFIX.mask``,
+  FORMAT.md "The loss-mask sidecar"), or None when no store of the batch has one; with
+  ``has_loss_mask(dataset_id)``. A source without it serves every token in the loss.
 
 ``tokenloom.build(...).split(name)`` returns an object with this interface, as do
 ``StoreBlendSource`` and ``StatelessBlendSource`` (:mod:`tokenloom.source.memory`), which build
