@@ -287,10 +287,9 @@ def test_bad_batch_sizes_are_config_errors():
 # ------------------------------------------------------------- the inverse and the target mixture
 
 
-def reference_target_weights(plan, starts: list[int], changes=()) -> np.ndarray:
-    """``(N, D)``: the mixture each position aims at, one position at a time: the weights of the
-    last weight change (in the order made) whose ``[position, end of its phase)`` holds it, else
-    the phase's, in a ramp ``(1 - alpha) u + alpha v`` with ``alpha = (2j + 1) / (2J)`` of its step."""
+def reference_target_weights(plan, starts: list[int]) -> np.ndarray:
+    """``(N, D)``: the mixture each position aims at, one position at a time: the phase's weights,
+    in a ramp ``(1 - alpha) u + alpha v`` with ``alpha = (2j + 1) / (2J)`` of its step."""
     phases = plan.schedule.phases
     rows = []
     for x in range(plan.num_samples):
@@ -300,9 +299,6 @@ def reference_target_weights(plan, starts: list[int], changes=()) -> np.ndarray:
             j = bisect.bisect_right(starts, x) - 1 - plan.boundary_steps[k]  # the step holding x
             alpha = (2 * j + 1) / (2 * (plan.boundary_steps[k + 1] - plan.boundary_steps[k]))
             weights = (1 - alpha) * phases[k - 1].normalized + alpha * phases[k].normalized
-        for position, w in changes:
-            if position <= x < plan.boundaries[k + 1] and position >= plan.boundaries[k]:
-                weights = np.asarray(w) / np.sum(w)
         rows.append(weights)
     return np.array(rows)
 
@@ -336,147 +332,6 @@ def test_target_weights_are_the_phase_weights_or_the_ramps_step(case):
     np.testing.assert_allclose(targets, reference_target_weights(plan, starts), rtol=0, atol=1e-12)
     np.testing.assert_allclose(targets.sum(axis=1), 1.0, rtol=0, atol=1e-12)
     assert plan.target_weights(np.array([[0]])).shape == (1, 1, schedule.num_datasets)
-
-
-# ------------------------------------------------------------------------------- weight changes
-
-
-def draw_weights(draw, num_datasets: int) -> list[float]:
-    weights = [draw(st.sampled_from(TINY)) if draw(st.integers(0, 3)) else 0.0 for _ in range(num_datasets)]
-    if not any(weights):
-        weights[draw(st.integers(0, num_datasets - 1))] = 1.0
-    return weights
-
-
-@st.composite
-def split_series(draw):
-    """A random plan, then 1-4 weight changes at global-batch boundaries anywhere in the run (in
-    any order: a change before an earlier one replaces it), each with the plans before and after."""
-    schedule, batch, ramp, seq_length, starts = draw(schedules(max_phases=4, max_datasets=10))
-    plan = make_plan(schedule, batch, ramp, seq_length)
-    cuts = [s for s in starts if s < plan.num_samples]
-    changes = [(draw(st.sampled_from(cuts)), draw_weights(draw, schedule.num_datasets))
-               for _ in range(draw(st.integers(1, 4)))]
-    return plan, changes, starts
-
-
-def reference_datasets(plan, changes) -> np.ndarray:
-    """The dataset at every position after ``changes``, position by position: a change's stretch
-    ``[position, end of phase)`` is the Blend of its largest-remainder counts, read from its
-    start; a later change overrides what it covers; elsewhere the plan as declared."""
-    datasets = served(plan)[1].copy()
-    for position, weights in changes:
-        k = int(plan.phase_of(position))
-        end = plan.boundaries[k + 1]
-        counts = largest_remainder_counts(weights, end - position)
-        datasets[position:end] = Blend(counts.astype(float), end - position).materialize()[0]
-    return datasets
-
-
-@SETTINGS
-@given(case=split_series())
-def test_a_weight_change_keeps_the_prefix_and_numbers_every_dataset_on(case):
-    plan, changes, starts = case
-    declared, num_datasets = plan, plan.num_datasets
-    for n, (position, weights) in enumerate(changes, 1):
-        before_phases, before_datasets, before_samples = served(plan)
-        plan = plan.split_at(position, weights)
-        phases, datasets, samples = served(plan)
-        # before the change: nothing moves
-        assert datasets[:position].tolist() == before_datasets[:position].tolist()
-        assert samples[:position].tolist() == before_samples[:position].tolist()
-        assert phases.tolist() == before_phases.tolist()  # stretches stay in their declared phase
-        # the rest of the phase: largest remainder of the new weights over its remaining samples
-        k = int(plan.phase_of(position))
-        end = plan.boundaries[k + 1]
-        realised = np.bincount(datasets[position:end], minlength=num_datasets)
-        assert realised.tolist() == largest_remainder_counts(weights, end - position).tolist()
-        assert_largest_remainder(realised, weights, end - position)
-        # later phases: the same datasets in the same order, each numbered on from its actual count
-        assert datasets[end:].tolist() == before_datasets[end:].tolist()
-        shift = plan.samples_reached(end) - np.bincount(before_datasets[:end], minlength=num_datasets)
-        assert (samples[end:] - before_samples[end:]).tolist() == shift[datasets[end:]].tolist()
-        reached = np.bincount(datasets[:position], minlength=num_datasets)
-        assert plan.samples_reached(position).tolist() == reached.tolist()
-        # the whole run: each dataset's samples 0 .. N - 1, none twice; counts and totals agree
-        for d in range(num_datasets):
-            numbers = np.arange(int(plan.totals[d]))
-            assert samples[datasets == d].tolist() == numbers.tolist()
-            assert plan.positions_of(d, numbers).tolist() == np.flatnonzero(datasets == d).tolist()
-        for j in range(plan.num_phases):
-            mine = datasets[plan.boundaries[j]: plan.boundaries[j + 1]]
-            assert np.bincount(mine, minlength=num_datasets).tolist() == plan.counts[j].tolist()
-        assert datasets.tolist() == reference_datasets(declared, changes[:n]).tolist()
-        assert len(plan.splits) == n and plan.splits[-1].position == position
-    np.testing.assert_allclose(plan.target_weights(np.arange(plan.num_samples)),
-                               reference_target_weights(plan, starts, changes), rtol=0, atol=1e-12)
-
-
-def test_a_weight_change_inside_a_ramp_keeps_its_order_then_holds_the_new_weights():
-    schedule = parse_schedule([{"weights": [1, 0], "until": {"samples": 40}},
-                               {"weights": [0, 1], "until": {"samples": 120}, "ramp": "linear"},
-                               {"weights": [1, 1], "until": {"samples": 160}}])
-    plan = plan_schedule(schedule, seq_length=8, global_batch_size=8)
-    split = plan.split_at(80, [1, 3])
-    assert split.locate(np.arange(80))[1].tolist() == plan.locate(np.arange(80))[1].tolist()
-    reached = plan.samples_reached(80)
-    assert split.counts[1].tolist() == (reached - plan.cumulative[1] + [10, 30]).tolist()
-    np.testing.assert_allclose(split.target_weights(np.array([79, 80, 119])),
-                               [plan.target_weights(79), [0.25, 0.75], [0.25, 0.75]])
-    assert split.target_weights(np.array([120])).tolist() == [[0.5, 0.5]]  # the next phase as declared
-    # the whole ramp replaced when the change is at its first position
-    assert plan.split_at(40, [1, 3]).counts[1].tolist() == [20, 60]
-
-
-def test_a_series_of_changes_shares_every_stretch_it_does_not_touch():
-    """Online mixing: many changes keep one stretch per change, and each new plan reuses the
-    earlier stretches' orders (and the Blends they built), so a change costs no re-planning."""
-    schedule = parse_schedule([{"weights": [1, 1, 1], "until": {"samples": 800}},
-                               {"weights": [1, 2, 3], "until": {"samples": 1600}}])
-    plan = plan_schedule(schedule, seq_length=8, global_batch_size=16)
-    first_blend = plan.segments.orders[0].blend()
-    for n, position in enumerate(range(816, 1600, 64), 1):
-        before = plan
-        plan = plan.split_at(position, [n % 3 + 1, 1, (n * 7) % 5])
-        assert len(plan.segments.orders) == 2 + n  # one stretch per change, state O(changes x D)
-        assert all(a is b for a, b in zip(plan.segments.orders[:-1], before.segments.orders, strict=True))
-    assert plan.segments.orders[0].blend() is first_blend
-    _, datasets, samples = served(plan)
-    for d in range(3):
-        assert samples[datasets == d].tolist() == list(range(int(plan.totals[d])))
-
-
-def test_check_room_names_the_dataset_and_phase_a_change_runs_out_in():
-    schedule = parse_schedule([{"weights": [1, 1], "until": {"samples": 100}},
-                               {"weights": [1, 1], "until": {"samples": 200}}])
-    plan = plan_schedule(schedule, seq_length=8, global_batch_size=10)
-    plan.check_room(plan.totals)  # [100, 100]: the plan as built fits
-    split = plan.split_at(50, [0, 1])  # dataset 1: 25 + 50 in phase 1, then 50 more
-    assert split.counts.tolist() == [[25, 75], [50, 50]]
-    with pytest.raises(ConfigError, match=r"dataset 1 \('code'\): the schedule needs 125 of its samples by the end "
-                                          r"of phase 2 \(50 in that phase\), more than the 100"):
-        split.check_room(plan.totals, names=["web", "code"])
-    with pytest.raises(ConfigError, match=r"dataset 1: .* needs 75 .* end of phase 1 \(75 in that phase\), more than "
-                                          r"the 60"):
-        split.check_room([100, 60])
-
-
-@pytest.mark.parametrize(("position", "weights", "message"), [
-    (55, [1, 1], r"split at position 55: it falls inside optimizer step 5 \(samples 50 to 59\); expected a "
-                 r"global-batch boundary such as 50 or 60"),
-    (200, [1, 1], r"split at position 200; expected a sample position in \[0, 200\)"),
-    (-10, [1, 1], r"split at position -10; expected"),
-    (50.0, [1, 1], r"split at position 50.0; expected"),
-    (50, [1, 1, 1], r"split at position 50: weights has 3 entries; expected 2, one per dataset"),
-    (50, [1, -1], r"split at position 50: weights\[1\]=-1; expected a finite, non-negative number"),
-    (50, [0, 0], r"split at position 50: weights: all 2 are zero"),
-    (50, "1 1", r"split at position 50: weights: '1 1'; expected a non-empty list"),
-])
-def test_a_bad_weight_change_names_the_position(position, weights, message):
-    plan = plan_schedule(parse_schedule([{"weights": [1, 1], "until": {"samples": 200}}]), seq_length=8,
-                         global_batch_size=10)
-    with pytest.raises(ConfigError, match=message):
-        plan.split_at(position, weights)
 
 
 def test_positions_of_refuses_what_the_schedule_never_serves():

@@ -125,10 +125,3 @@ def test_buffers_sum_the_targets_of_every_phase():
                                                              math.ceil(2751 * (1 + 0.005))]
     with pytest.raises(ConfigError, match=r"surplus=-0.1; expected a finite, non-negative"):
         exact_buffers(phases, surplus=-0.1)
-
-
-def test_a_plan_changed_by_split_at_has_no_exact_arrays():
-    plan = plan_schedule(parse_schedule([{"weights": [1, 1], "until": {"samples": 64}}]), seq_length=8,
-                         global_batch_size=8)
-    with pytest.raises(ConfigError, match=r"split at positions \[16\]; exact mode blends the declared phases"):
-        plan_exact_phases(plan.split_at(16, [1, 2]))

@@ -1,7 +1,6 @@
 """The order of a schedule's samples: each phase a closed-form order, the run a list of stretches.
 
-A *stretch* is a run of consecutive positions with one :class:`PhaseOrder`: a declared phase, or
-what a weight change (:meth:`tokenloom.index.schedule.SchedulePlan.split_at`) left of one.
+A *stretch* is a run of consecutive positions with one :class:`PhaseOrder`: a phase.
 
 Constant order
     :class:`tokenloom.index.blend.Blend` over the stretch's counts (the largest remainder of its
@@ -19,13 +18,11 @@ prefix walk one Huffman path (O(tree depth)); the inverse of a constant order wa
 ``samples_before`` (O(log S x depth)): two interleaved blends have no closed-form inverse.
 
 :class:`Segments` is the run as stretches ``[starts[g], starts[g + 1])``, each read from the first
-position of its own order (a stretch may end before its order does: a weight change cut it), with
-``before[g, d]``, dataset ``d``'s samples before stretch ``g``, so every dataset numbers its
-samples ``0, 1, 2, ...`` over the whole run. That table is all the state a plan holds: ``G``
-stretches (declared phases plus weight changes) cost ``O(G x D)``, a position finds its stretch by
-a binary search (O(log G)) and a dataset's sample by one over its column of ``before``; a weight
-change rebuilds the table in O(G x D) and shares every unchanged stretch's order (and the Blends
-it built) with the plan it came from. Issue 41's online mixing is such a series of changes.
+position of its own order, with ``before[g, d]``, dataset ``d``'s samples before stretch ``g``, so
+every dataset numbers its samples ``0, 1, 2, ...`` over the whole run. That table is all the state
+a plan holds: ``G`` stretches cost ``O(G x D)``, a position finds its stretch by a binary search
+(O(log G)) and a dataset's sample by one over its column of ``before``. A weight change at run
+time is composed by serving at the stream level (``tokenloom.serve.weight_changes``), not here.
 """
 
 from __future__ import annotations
@@ -258,7 +255,7 @@ class Segments:
     before: np.ndarray
     """``(G + 1, D)`` int64: samples of each dataset before each stretch; the last row the run's."""
     orders: tuple[PhaseOrder, ...]
-    """``G``: each stretch's order (an order may be longer than its stretch: a cut ended it)."""
+    """``G``: each stretch's order."""
 
     def __post_init__(self) -> None:
         for array in (self.starts, self.phases, self.before):
@@ -320,22 +317,3 @@ class Segments:
             return self.before[-1].copy()
         g = int(self.segment_of(np.array([position], dtype=np.int64))[0])
         return self.before[g] + self.orders[g].counts_before(position - int(self.starts[g]))
-
-    def cut(self, position: int, end: int, order: PhaseOrder) -> Segments:
-        """These stretches with ``[position, end)`` read from ``order`` instead: the stretch holding
-        ``position`` ends there, those starting inside ``[position, end)`` are dropped (``end``
-        must be a stretch's start or the run's end), later ones keep their orders and are
-        renumbered from the counts actually reached."""
-        g = int(self.segment_of(np.array([position], dtype=np.int64))[0])
-        later = int(np.searchsorted(self.starts, end, side="left"))  # first stretch at or after end
-        served = self.served()  # (G, D)
-        head = g + (position > int(self.starts[g]))  # stretches kept before the cut, the cut one included
-        pieces = [served[:g]]
-        if head > g:
-            pieces.append(self.orders[g].counts_before(position - int(self.starts[g]))[None, :])
-        pieces += [order.counts[None, :], served[later:]]
-        counts = np.concatenate(pieces)  # (G', D)
-        return Segments(starts=np.concatenate([self.starts[:head], [position], self.starts[later:]]),
-                        phases=np.concatenate([self.phases[:head], self.phases[g:g + 1], self.phases[later:]]),
-                        before=np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)]),
-                        orders=(*self.orders[:head], order, *self.orders[later:]))

@@ -41,14 +41,13 @@ Order and numbering
     :meth:`SchedulePlan.positions_of` are closed form: a search over the phases, then O(tree
     depth) per position (a ramp's inverse: a bisection over it), no array.
 
-Weight changes
-    :meth:`SchedulePlan.split_at` gives a plan whose weights change at a global-batch boundary
-    for the rest of that phase (serving's reweight, issue 41's online mixing): everything before
-    is served as before, and every dataset numbers on from the count it reached. The plan is a
-    list of stretches (:class:`tokenloom.index.phase_order.Segments`): a series of changes costs
-    O(changes x D) state and O(log changes) per lookup. :meth:`SchedulePlan.target_weights` is
-    the mixture each position aims at (a ramp's: the interpolated weights of its step).
-    Exact mode's per-phase arrays, megatron-core's greedy, are :mod:`tokenloom.index.schedule_exact`.
+Targets
+    :meth:`SchedulePlan.target_weights` is the mixture each position aims at (a ramp's: the
+    interpolated weights of its step). The plan is a list of stretches, one per phase
+    (:class:`tokenloom.index.phase_order.Segments`). A weight change at run time is not a new
+    plan: serving composes it at the stream level (``tokenloom.serve.weight_changes``), in both
+    modes. Exact mode's per-phase arrays, megatron-core's greedy, are
+    :mod:`tokenloom.index.schedule_exact`.
 
 Worked example: ``global_batch_size=4``, phases ``[0.5, 0.5]`` until 10 samples, then
 ``[0, 1]`` until 16 samples. Phase 1's boundary 10 falls inside step 2 (samples 8-11) and moves
@@ -76,7 +75,6 @@ __all__ = [
     "MixtureSchedule",
     "SchedulePhase",
     "SchedulePlan",
-    "ScheduleSplit",
     "Until",
     "parse_schedule",
     "plan_schedule",
@@ -235,27 +233,16 @@ def parse_schedule(entries) -> MixtureSchedule:
     return MixtureSchedule(phases=tuple(phases))
 
 
-@dataclass(frozen=True, kw_only=True)
-class ScheduleSplit:
-    """A weight change :meth:`SchedulePlan.split_at` made: ``weights`` from ``position`` to the end
-    of the phase holding it."""
-
-    position: int
-    """The run's sample position where the weights change (a global-batch boundary)."""
-    weights: tuple[float, ...]
-    """Per-sample weight of every dataset of the schedule, any positive scale."""
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SchedulePlan:
     """A schedule's phases placed on the run's samples, with exact counts (see the module docstring).
 
     Arrays are int64 and read-only; ``P`` phases, ``D`` datasets. The order lives in
-    :attr:`segments` (one stretch per phase, plus one per weight change); :attr:`counts` and
-    :attr:`cumulative` sum it per declared phase."""
+    :attr:`segments` (one stretch per phase); :attr:`counts` and :attr:`cumulative` sum it per
+    phase."""
 
     schedule: MixtureSchedule
-    """The schedule planned (its phases as declared; :attr:`splits` changed weights since)."""
+    """The schedule planned."""
     seq_lengths: tuple[int, ...]
     """Tokens per sample of each phase."""
     requested: tuple[int, ...]
@@ -266,15 +253,11 @@ class SchedulePlan:
     """``P + 1``: optimizer steps begun before each boundary (the last counts a partial step)."""
     batch_steps: tuple[tuple[int, int], ...]
     """The batch-size schedule the boundaries were placed on, as ``(threshold_samples,
-    global_batch_size)`` pairs: serving must step the same way, and :meth:`split_at` cuts only
-    where one of its steps starts."""
+    global_batch_size)`` pairs: serving must step the same way."""
     ramps: tuple[RampSplit | None, ...]
-    """Per phase, its ramp's split as planned (None for a constant phase); a split inside a ramp
-    keeps the ramp's order up to the split."""
+    """Per phase, its ramp's split as planned (None for a constant phase)."""
     segments: Segments
     """The run as stretches, each with its closed-form order and the counts before it."""
-    splits: tuple[ScheduleSplit, ...] = ()
-    """The weight changes made by :meth:`split_at`, in the order made."""
     counts: np.ndarray = dataclasses.field(init=False)
     """``(P, D)``: samples of each dataset in each phase, summing to the phase's length."""
     cumulative: np.ndarray = dataclasses.field(init=False)
@@ -383,40 +366,6 @@ class SchedulePlan:
             local = self.boundaries[phase] + L[mask] - segments.starts[h]
             out[mask] = (segments.before[h] - segments.before[first])[None, :] + segments.orders[h].targets(local)
         return out
-
-    def split_at(self, position: int, weights) -> SchedulePlan:
-        """This plan with ``weights`` from ``position`` to the end of the phase holding it.
-
-        How a weight change at a resume (serving's reweight, issue 41's online mixing) composes
-        with the schedule: ``position`` must start an optimizer step; positions before it are
-        served as before (a ramp cut here keeps its order up to the cut); the rest of the phase
-        is a constant blend of ``weights`` with largest-remainder counts over its samples; later
-        phases are as declared. Every dataset numbers on from the count it actually reached, so
-        no sample is served twice or skipped. The new plan needs other totals: check them with
-        :meth:`check_room`. A series of splits keeps O(splits x D) state and O(log splits) per
-        lookup (:class:`~tokenloom.index.phase_order.Segments`)."""
-        if not is_integer(position) or not 0 <= int(position) < self.num_samples:
-            raise ConfigError(f"split at position {position!r}; expected a sample position in [0, {self.num_samples})")
-        position = int(position)
-        runs = StepRuns.of(self.batch_steps)
-        step = int(runs.step_at(position))
-        first = int(runs.step_start(step))
-        if first != position:
-            after = first + int(runs.size_of(step))
-            raise ConfigError(f"split at position {position}: it falls inside optimizer step {step} (samples {first} "
-                              f"to {after - 1}); expected a global-batch boundary such as {first} or {after}")
-        try:
-            checked = _checked_weights(weights)
-        except ConfigError as exc:
-            raise ConfigError(f"split at position {position}: {exc}") from None
-        if len(checked) != self.num_datasets:
-            raise ConfigError(f"split at position {position}: weights has {len(checked)} entries; expected "
-                              f"{self.num_datasets}, one per dataset of the schedule")
-        phase = int(self.phase_of(position))
-        end = self.boundaries[phase + 1]
-        segments = self.segments.cut(position, end, PhaseOrder.constant(checked, end - position))
-        return dataclasses.replace(self, segments=segments,
-                                   splits=(*self.splits, ScheduleSplit(position=position, weights=checked)))
 
     def check_room(self, room, *, names: Sequence[str] | None = None, what: str = "max_epochs",
                    tokens: bool = False) -> None:

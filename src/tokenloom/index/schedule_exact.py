@@ -140,11 +140,7 @@ class ExactPhase:
 
 def plan_exact_phases(plan: SchedulePlan) -> tuple[ExactPhase, ...]:
     """Each phase of ``plan`` as megatron-core's greedy over its active datasets (see the module
-    docstring). Pure arithmetic; ConfigError for a plan that :meth:`SchedulePlan.split_at` changed,
-    whose later weights are stateless mode's alone (megatron-core has no mid-blend change)."""
-    if plan.splits:
-        raise ConfigError(f"the plan was split at positions {[s.position for s in plan.splits]}; exact mode blends "
-                          "the declared phases only (a weight change is a stateless blend)")
+    docstring). Pure arithmetic."""
     phases = plan.schedule.phases
     out = []
     for k, phase in enumerate(phases):
