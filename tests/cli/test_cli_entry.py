@@ -11,7 +11,8 @@ import pytest
 import tokenloom
 from tokenloom.cli import build_parser
 
-COMMANDS = {"plan", "tokenize", "inspect", "merge", "build", "cache", "audit", "where", "find", "demo"}
+COMMANDS = {"plan", "tokenize", "inspect", "merge", "build", "cache", "audit", "where", "find", "balance",
+            "demo"}
 
 
 def test_the_parser_has_every_command():

@@ -158,3 +158,18 @@ def test_every_process_computes_the_same_placement():
                                       text=True, check=True, timeout=120).stdout)
     here = [assign_slots(np.array(c, dtype=np.int64), dp=d, micro_batch_size=m).tolist() for c, d, m in cases]
     assert there == here
+
+
+def test_format_worked_example():
+    """FORMAT.md "Balanced ranks": the costs and the placement of its table."""
+    documents = [[8], [2, 2, 2, 2], [3, 5], [1, 1, 6], [8], [4, 4], [2, 6], [1] * 8]
+    lengths = np.array([L for sample in documents for L in sample], dtype=np.int64)
+    bounds = np.concatenate([[0], np.cumsum([len(sample) for sample in documents])])
+    pairs = served_document_pairs(lengths, bounds, 8, False)
+    costs = CostModel(attention=1, tokens=0).sample_costs(pairs, np.full(8, 8))
+    assert costs.tolist() == [36, 12, 21, 23, 36, 20, 24, 8]
+    order = assign_slots(costs, dp=2, micro_batch_size=2)
+    assert order.tolist() == [0, 1, 4, 7, 3, 5, 2, 6]
+    assert slot_costs(costs, order, dp=2, micro_batch_size=2).tolist() == [[48, 44], [43, 45]]
+    assert slot_costs(costs, np.arange(8), dp=2, micro_batch_size=2).sum(axis=0).tolist() == [104, 76]
+    assert (CostModel.for_width().attention, CostModel.for_width().tokens) == (16384, 402653184)

@@ -6,6 +6,15 @@ index reads (GPT splits cut sequences; pointers and document boundaries do not c
 Any change that could change an index changes the hash; a touch that changes only the mtime changes
 the fingerprint too, so the cache errs towards rebuilding.
 
+A store with a loss-mask sidecar (``PREFIX.mask``, FORMAT.md "The loss-mask sidecar") adds its
+size, modification time and the SHA-256 of its bits as its ``PREFIX.meta.json`` records it: the
+packed index does not read the mask, but the samples served from it do, so a changed mask is a
+changed store. The bits are not hashed again here (they are 1/8 byte per token, far more than
+the sequence lengths); a mask rewritten by the writer has a new recorded SHA-256, one edited in
+place a new size or mtime. A store without one keeps the fingerprint (and cache keys) it had.
+Opening the mask checks its size and header against the store: a sidecar that does not match is
+a FormatError naming the file.
+
 Fingerprinting also measures what the planner needs: sequences and tokens in each split range.
 
 **Known stores are not hashed again** (:class:`FingerprintMemo`, ``verify_stores="stat"``). The
@@ -41,6 +50,7 @@ import numpy as np
 from tokenloom.errors import TokenloomError
 from tokenloom.io import IndexedDataset, s3
 from tokenloom.io.format import bin_path, idx_path, normalize_prefix
+from tokenloom.io.loss_mask import RECORD_KEY, mask_path
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +78,22 @@ class StoreFingerprint:
     """Modification time of ``PREFIX.bin``, nanoseconds."""
     idx_sha256: str
     """SHA-256 of the .idx header and the sequence lengths."""
+    mask_bytes: int | None = None
+    """Size of ``PREFIX.mask``; None: the store has no loss mask."""
+    mask_mtime_ns: int | None = None
+    """Modification time of ``PREFIX.mask``, nanoseconds (an object's Last-Modified)."""
+    mask_sha256: str | None = None
+    """SHA-256 of the mask's bits, as ``PREFIX.meta.json`` records it."""
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "idx_bytes": self.idx_bytes, "bin_bytes": self.bin_bytes,
             "idx_mtime_ns": self.idx_mtime_ns, "bin_mtime_ns": self.bin_mtime_ns,
             "idx_sha256": self.idx_sha256,
         }
+        if self.mask_sha256 is not None:  # only then: an unmasked store keeps its old keys
+            out.update(mask_bytes=self.mask_bytes, mask_mtime_ns=self.mask_mtime_ns, mask_sha256=self.mask_sha256)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,16 +151,24 @@ def fingerprint_store(prefix: str, ranges_for, memo: FingerprintMemo | None = No
     store = IndexedDataset(prefix)
     if store.is_remote:  # the HEADs the store was opened with (its .idx copy was checked against them)
         stats = [_object_record(store.idx_info), _object_record(store.bin_info)]
+        if store.has_loss_mask:
+            stats.append(_object_record(store.mask_info))
     else:
         stats = [_stat_record(store.idx_path), _stat_record(store.bin_path)]  # before reading: see RACY_NS
+        if os.path.isfile(mask_path(store.prefix)):
+            stats.append(_stat_record(mask_path(store.prefix)))
     seen_ns = time.time_ns()
     digest = hashlib.sha256()
     digest.update(store.header.pack())
     _hash_array(digest, store.sequence_lengths)
+    mask = {}
+    if store.has_loss_mask:  # opening it checked its size and header (FormatError naming the file)
+        mask = {"mask_bytes": stats[2][0], "mask_mtime_ns": stats[2][1],
+                "mask_sha256": store.metadata[RECORD_KEY]["sha256"]}
     fingerprint = StoreFingerprint(
         idx_bytes=stats[0][0], bin_bytes=stats[1][0],
         idx_mtime_ns=stats[0][1], bin_mtime_ns=stats[1][1],
-        idx_sha256=digest.hexdigest(),
+        idx_sha256=digest.hexdigest(), **mask,
     )
     lengths = store.sequence_lengths
     ranges = []
@@ -204,6 +231,10 @@ class FingerprintMemo:
         prefix_path = normalize_prefix(prefix)
         try:
             stats = [_stat_record(idx_path(prefix_path)), _stat_record(bin_path(prefix_path))]
+            # the mask's stat where fingerprinting took one: a local file present, or a remote
+            # store recorded with a mask (no HEAD for the mask every unmasked remote store lacks)
+            if len(entry["stats"]) > 2 or (not s3.is_remote(prefix_path) and os.path.isfile(mask_path(prefix_path))):
+                stats.append(_stat_record(mask_path(prefix_path)))
         except (OSError, TokenloomError):
             return None  # fingerprinting proper reports the missing file
         if stats != entry["stats"]:

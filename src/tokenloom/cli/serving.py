@@ -1,5 +1,7 @@
 """``tokenloom audit``: the realised mixture of a serving run, from its audit log. ``tokenloom
-where`` / ``tokenloom find``: which documents a sample holds, and which samples hold a document."""
+where`` / ``tokenloom find``: which documents a sample holds, and which samples hold a document
+(and, given a layout, the rank and micro-batch that read it). ``tokenloom balance``: the step
+imbalance of a layout over a run's first steps, with and without balanced ranks."""
 
 from __future__ import annotations
 
@@ -225,6 +227,8 @@ def run_where(args: argparse.Namespace) -> int:
     if args.boundaries:
         for record, boundaries in zip(records, _document_boundaries(source, served.locate(positions))):
             record.update(boundaries)
+    for record, slot in zip(records, _slots(args, source, stream, positions)):
+        record.update(slot)
     if stream is not None:  # the weights in force at each position, as the run served it
         for record in records:
             record["weights"] = [float(w) for w in stream.target_weights(record["position"])]
@@ -245,8 +249,10 @@ def run_where(args: argparse.Namespace) -> int:
         if stream is not None and record["weights"] != shown:
             shown = record["weights"]
             print(f"weights in force from position {record['position']}: {_weights_line(source, shown)}")
+        placed = f"  step {record['step']} rank {record['dp_rank']} micro-batch {record['micro_batch']}" \
+            if "step" in record else ""
         print(f"position {record['position']}  dataset {record['dataset']} ({_as_typed(record['prefix'])})  "
-              f"sample {record['sample']}")
+              f"sample {record['sample']}{placed}")
         for piece in record["pieces"]:
             print(f"  document {piece['document']:>10}  tokens {piece['offset']}..{piece['offset'] + piece['length']}"
                   f" ({piece['length']})")
@@ -267,6 +273,9 @@ def run_find(args: argparse.Namespace) -> int:
     out: dict = {"positions": [int(p) for p in positions]}
     if args.global_batch_size is not None:
         out["steps"] = [int(s) for s in steps_of(positions, args.global_batch_size)]
+    slots = _slots(args, source, stream, positions)
+    if slots:
+        out["slots"] = [{k: v for k, v in slot.items() if k != "step"} for slot in slots]
     if args.json:
         print(json.dumps(out))
         return 0
@@ -275,6 +284,64 @@ def run_find(args: argparse.Namespace) -> int:
         print("positions: " + " ".join(str(p) for p in out["positions"]))
     if "steps" in out:
         print(f"steps (global batch size {args.global_batch_size}): " + " ".join(str(s) for s in out["steps"]))
+    if slots:
+        print(f"rank/micro-batch (dp {args.dp}, micro-batch size {args.micro_batch_size}"
+              f"{', balance ' + args.balance if args.balance else ''}): "
+              + " ".join(f"{slot['dp_rank']}/{slot['micro_batch']}" for slot in slots))
+    return 0
+
+
+def _geometry(args: argparse.Namespace):
+    """The layout of ``--dp``, ``--micro-batch-size``, ``--global-batch-size`` and ``--balance``."""
+    from tokenloom.index import CostModel
+    from tokenloom.serve import BatchGeometry
+
+    if args.global_batch_size is None:
+        raise ConfigError("--dp needs --global-batch-size G (the step a position belongs to)")
+    cost = None
+    if args.balance == "attention" and getattr(args, "hidden_size", None) is not None:
+        cost = CostModel.for_width(args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                                   kv_channels_total=args.kv_channels_total, gated=args.swiglu)
+    return BatchGeometry(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                         dp=args.dp, balance=args.balance, balance_cost=cost)
+
+
+def _slots(args: argparse.Namespace, source, stream, positions) -> list[dict]:
+    """Each position's step, data-parallel rank and micro-batch under ``--dp`` (none without it)."""
+    from tokenloom.serve import slots_of
+
+    if args.dp is None:
+        if args.balance is not None:
+            raise ConfigError("--balance needs --dp N (and --global-batch-size, --micro-batch-size): the layout "
+                              "the samples are placed on")
+        return []
+    return [{"step": slot.step, "dp_rank": slot.dp_rank, "micro_batch": slot.micro_batch}
+            for slot in slots_of(source if stream is None else stream, _geometry(args), positions)]
+
+
+def run_balance(args: argparse.Namespace) -> int:
+    from tokenloom.serve import balance_report
+
+    if args.balance is None:
+        args.balance = "attention"
+    source = _open_split(args.config, args.split)
+    stream = _stream(source, args.state)
+    report = balance_report(source if stream is None else stream, _geometry(args), num_steps=args.steps,
+                            first_step=args.first_step)
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    if not summary["steps"]:
+        print(f"no whole step of {args.global_batch_size} samples from step {args.first_step} in the {args.split} "
+              "split")
+        return 0
+    print(f"{summary['steps']} step(s) from step {args.first_step}, dp {args.dp}, micro-batch size "
+          f"{args.micro_batch_size}, global batch {args.global_batch_size}, cost: {args.balance}")
+    rows = [[name, f"{summary[key]['mean']:.3f}", f"{summary[key]['max']:.3f}"]
+            for name, key in (("Megatron's order", "unbalanced"), ("balanced", "balanced"),
+                              ("lower bound (costliest sample / mean rank)", "bound"))]
+    print(markdown_table(["largest rank cost / mean", "mean over steps", "worst step"], rows, right=(1, 2)))
     return 0
 
 
@@ -300,7 +367,8 @@ def register(subparsers) -> None:
                    help="also print each sample's document boundaries as served with inter_document_masking: "
                    "cu_seqlens (without the padding to seq_length + 1) and max_seqlen")
     p.add_argument("--json", action="store_true", help="print a JSON list of {position, dataset, prefix, sample, "
-                   "pieces: [{document, offset, length}]} (and cu_seqlens, max_seqlen)")
+                   "pieces: [{document, offset, length}]} (and cu_seqlens, max_seqlen; step, dp_rank, micro_batch)")
+    _add_layout(p)
     p.set_defaults(run=run_where)
     p = subparsers.add_parser(
         "find", help="every global position (and step) whose sample holds a piece of one document",
@@ -314,5 +382,34 @@ def register(subparsers) -> None:
     p.add_argument("--global-batch-size", type=int, metavar="G", help="also list the 0-based steps")
     p.add_argument("--state", metavar="STATE", help="a run's serving state (JSON, or saved by torch.save): the "
                    "positions that run serves the document at, after its weight changes, skips and quarantines")
-    p.add_argument("--json", action="store_true", help='print {"positions": [...]} (and "steps")')
+    p.add_argument("--json", action="store_true", help='print {"positions": [...]} (and "steps", "slots")')
+    _add_layout(p)
     p.set_defaults(run=run_find)
+    p = subparsers.add_parser(
+        "balance", help="how uneven a layout's ranks are over a run's first steps, with and without balancing",
+        description="For a built split and a layout (--dp, --micro-batch-size, --global-batch-size), each step's "
+        "largest rank cost over the mean rank cost, in Megatron's order and with the samples placed by cost "
+        "(BatchGeometry(balance=...)), and the lower bound (the costliest sample over the mean rank cost). The "
+        "cost is the attention and dense FLOPs of the documents as served with inter_document_masking (model "
+        "width --hidden-size, default 4096), or the real tokens (--balance tokens); read from the index alone.")
+    p.add_argument("config", metavar="CONFIG", help="build config (YAML/JSON) of a built cache")
+    p.add_argument("--split", default="train", choices=("train", "valid", "test"))
+    p.add_argument("--global-batch-size", type=int, required=True, metavar="G")
+    p.add_argument("--steps", type=int, default=100, metavar="N", help="steps to report (default 100)")
+    p.add_argument("--first-step", type=int, default=0, metavar="S", help="the first (default 0)")
+    p.add_argument("--state", metavar="STATE", help="a run's serving state: its steps as that run serves them")
+    p.add_argument("--hidden-size", type=int, metavar="D", help="model width of the cost (default 4096)")
+    p.add_argument("--ffn-hidden-size", type=int, metavar="F", help="MLP inner width (default 4D)")
+    p.add_argument("--kv-channels-total", type=int, metavar="K", help="key/value heads x head width (default D)")
+    p.add_argument("--swiglu", action="store_true", help="gated MLP (three matrices)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    _add_layout(p, required=True)
+    p.set_defaults(run=run_balance)
+
+
+def _add_layout(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument("--dp", type=int, metavar="N", required=required,
+                   help="data-parallel size: also say which rank and micro-batch reads each position")
+    p.add_argument("--micro-batch-size", type=int, default=1, metavar="M", help="samples per micro-batch (default 1)")
+    p.add_argument("--balance", choices=("attention", "tokens"),
+                   help="the run places each step's samples by cost (BatchGeometry(balance=...))")

@@ -67,7 +67,8 @@ def add_merge_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "merge",
         help="concatenate token stores into one",
-        description="Concatenate token stores (same dtype and tokenizer) into one, copying tokens as bytes.",
+        description="Concatenate token stores (same dtype and tokenizer) into one, copying tokens as bytes; "
+                    "loss masks (PREFIX.mask) come along, all ones for an input without one.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="input store prefixes, in order")
     p.add_argument("--output", "-o", required=True, metavar="PREFIX", help="output store prefix")

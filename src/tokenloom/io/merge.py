@@ -6,6 +6,7 @@ import os
 
 from tokenloom.errors import ConfigError
 from tokenloom.io.format import normalize_prefix
+from tokenloom.io.loss_mask import mask_file_bytes
 from tokenloom.io.reader import IndexedDataset
 from tokenloom.io.report import validate
 from tokenloom.io.space import check_space
@@ -34,8 +35,10 @@ def merge_stores(prefixes, output_prefix) -> IndexedDataset:
     """Concatenate the stores at ``prefixes`` (in order) into ``output_prefix``.
 
     Every input is validated first; all must share a dtype (and tokenizer record, when they
-    have one). Documents keep their order; the .bin files are copied as bytes. The output
-    appears atomically, like any store written by ``IndexedDatasetWriter``.
+    have one). Documents keep their order; the .bin files are copied as bytes. Where an input
+    has a loss mask (``PREFIX.mask``) the output has one: the inputs' masks in order, ones for
+    the inputs without. The output appears atomically, like any store written by
+    ``IndexedDatasetWriter``.
     """
     prefixes = [normalize_prefix(p) for p in prefixes]
     if not prefixes:
@@ -55,6 +58,8 @@ def merge_stores(prefixes, output_prefix) -> IndexedDataset:
 
     # the whole .bin is known: say so before writing rather than after the disk fills
     needed = sum(ds.bin_size + ds.header.expected_idx_size() for ds in datasets)
+    if any(ds.has_loss_mask for ds in datasets):
+        needed += mask_file_bytes(sum(ds.num_tokens for ds in datasets))
     check_space(os.path.dirname(os.path.abspath(output_prefix)), needed, f"the merged store {output_prefix}")
     writer = IndexedDatasetWriter(output_prefix, dtype=datasets[0].dtype)
     writer.expected_bytes = needed

@@ -134,6 +134,8 @@ class IndexedDataset:
         self._metadata_loaded = False
         self._mask_bits = None
         self._mask_checked = False
+        self.mask_info = None
+        """An ``s3://`` store's loss-mask object (its HEAD), once :attr:`loss_mask_bits` opened it."""
 
     # -- sizes ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -197,7 +199,7 @@ class IndexedDataset:
         path = mask_path(self.prefix)
         bin_tokens = self.bin_size // self.itemsize
         if self.is_remote:
-            info = s3.head(path)
+            info = self.mask_info = s3.head(path)
             head = s3.get_range(info, 0, min(info.size, MASK_HEADER_SIZE))
             check_mask_header(head, path, info.size, record, bin_tokens, meta_file)
             return remote.RemoteBytes(info, MASK_HEADER_SIZE)

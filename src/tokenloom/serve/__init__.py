@@ -8,6 +8,9 @@ cuts it into steps and micro-batches, :class:`Topology` says which rank reads wh
 sample_id)`` pairs into those fields for every loader, and their shapes and dtypes
 (:func:`field_schema`) are derived from it. :class:`MixtureAudit` logs what each step served;
 :class:`OnlineMixing` moves the weights with the loss the training loop reports.
+``BatchGeometry(balance="attention")`` places each step's samples on the ranks by their attention
+cost, decided from the index (:func:`balance_report` shows the imbalance it removes, :func:`slots_of`
+where each position goes).
 
 The framework adapters are modules of their own, imported by name: ``tokenloom.serve.torch_adapter``
 (PyTorch), ``tokenloom.serve.jax_adapter`` (JAX) and ``tokenloom.serve.grain_adapter`` (grain). They
@@ -25,6 +28,7 @@ from tokenloom.serve.audit import (
     summarize_audit,
     summarize_skips,
 )
+from tokenloom.serve.balance import BalanceReport, Slot, balance_report, slots_of
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema
 from tokenloom.serve.fim import FimOptions, FimTransform
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
@@ -66,6 +70,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "BalanceReport",
     "BatchGeometry",
     "BatchPipeline",
     "BatchSizeSchedule",
@@ -78,11 +83,14 @@ __all__ = [
     "OnlineMixing",
     "RankLoader",
     "SampleOptions",
+    "Slot",
     "Topology",
+    "balance_report",
     "batch_fingerprint",
     "by_store",
     "field_schema",
     "read_audit_log",
+    "slots_of",
     "stream_from_state",
     "summarize_audit",
     "summarize_skips",

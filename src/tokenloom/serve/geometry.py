@@ -9,6 +9,10 @@ positions ``[consumed, consumed + G)`` whatever ``dp`` is: a run can resume on a
 A schedule changes ``G`` with the samples consumed (Megatron's ``--step-batch-size-schedule``
 "0:768 250B:1536", or the classic ``--rampup-batch-size start increment samples``).
 
+With ``balance`` set, a step's samples are the same ``G`` positions, placed on the (rank,
+micro-batch) slots by their cost instead of in this order (:mod:`tokenloom.index.balance`,
+:mod:`tokenloom.serve.balance`): every rank computes the placement from the index alone.
+
 A build with a mixture schedule placed its phase boundaries on its own optimizer steps;
 :func:`check_planned_steps` refuses a geometry that steps otherwise, so every phase ends at a
 global-batch boundary of the run that serves it.
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index.balance import BALANCES, CostModel
 from tokenloom.index.batch_sizes import StepRuns, parse_step_schedule, rampup_steps
 from tokenloom.validate import is_integer
 
@@ -88,11 +93,28 @@ class BatchGeometry:
     """Data-parallel size."""
     schedule: BatchSizeSchedule | None = None
     """Optional batch-size ramp; None keeps ``global_batch_size`` throughout."""
+    balance: str | None = None
+    """None (Megatron's order), ``"attention"`` (place each step's samples so that every rank,
+    and every micro-batch of a rank, gets about the same attention and dense work: needs
+    ``SampleOptions(inter_document_masking=True)``, whose boundaries the cost is counted on) or
+    ``"tokens"`` (the same real tokens: best-fit samples served without boundaries). The step's
+    set of samples, its fingerprint and the state are unchanged; only placement inside the step."""
+    balance_cost: CostModel | None = None
+    """The cost model of ``balance="attention"`` (None: ``CostModel.for_width()``, width 4096)."""
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         _positive("micro_batch_size", self.micro_batch_size)
         _positive("dp", self.dp)
+        if self.balance is not None and self.balance not in BALANCES:
+            raise ConfigError(f"BatchGeometry.balance={self.balance!r}; expected None or one of {list(BALANCES)}")
+        if self.balance_cost is not None:
+            if self.balance != "attention":
+                raise ConfigError(f"BatchGeometry.balance_cost={self.balance_cost!r} with balance={self.balance!r}; "
+                                  "a cost model is what balance='attention' weighs samples by")
+            if not isinstance(self.balance_cost, CostModel):
+                raise ConfigError(f"BatchGeometry.balance_cost={self.balance_cost!r}; expected a "
+                                  "tokenloom.index.CostModel")
         if self.schedule is None:
             self.num_micro_batches_for(self.global_batch_size)
         elif self.schedule.steps[-1][1] != self.global_batch_size:
@@ -124,7 +146,12 @@ class BatchGeometry:
     def with_dp(self, dp: int) -> BatchGeometry:
         """The same batches on another data-parallel size (the micro-batch stays)."""
         return BatchGeometry(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
-                             dp=dp, schedule=self.schedule)
+                             dp=dp, schedule=self.schedule, balance=self.balance, balance_cost=self.balance_cost)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model ``balance="attention"`` weighs samples by."""
+        return self.balance_cost if self.balance_cost is not None else CostModel.for_width()
 
     @property
     def batch_steps(self) -> tuple[tuple[int, int], ...]:

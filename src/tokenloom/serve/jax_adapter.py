@@ -77,9 +77,12 @@ class HostLoader:
 
     def __init__(self, source: SampleSource, *, global_batch_size: int, shard, options: SampleOptions = SampleOptions(),
                  max_steps: int | None = None, audit: MixtureAudit | None = None,
-                 mixing: OnlineMixing | None = None) -> None:
+                 mixing: OnlineMixing | None = None, balance: str | None = None) -> None:
         """``mixing``: online mixing (:class:`~tokenloom.serve.online.OnlineMixing`): every
-        process reports the same all-reduced statistics after every step (:meth:`report`)."""
+        process reports the same all-reduced statistics after every step (:meth:`report`).
+        ``balance``: ``"attention"`` or ``"tokens"`` places each global batch's rows on the
+        processes by their cost (:attr:`BatchGeometry.balance
+        <tokenloom.serve.geometry.BatchGeometry.balance>`); the global batch holds the same rows."""
         self.shard = ShardOptions.of(shard)
         if options.boundary_format == "thd":
             raise ConfigError("SampleOptions(boundary_format='thd') packs a micro-batch into one sequence whose "
@@ -91,7 +94,7 @@ class HostLoader:
             raise ConfigError(f"global_batch_size={global_batch_size!r} is not a multiple of shard_count={count}; "
                               "each process needs the same number of rows")
         self.geometry = BatchGeometry(global_batch_size=global_batch_size, micro_batch_size=global_batch_size // count,
-                                      dp=count)
+                                      dp=count, balance=balance)
         self._loader = RankLoader(source, self.geometry, topology=Topology(dp=count), rank=self.shard.shard_index,
                                   options=options, max_steps=max_steps, audit=audit, mixing=mixing)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.balance import check_balance
 from tokenloom.serve.batch import BatchPipeline, check_eod
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.online import OnlineMixing
@@ -47,7 +48,8 @@ class RankSchedule:
     """The schedule one rank follows, whatever it does with the data; every rank advances in step.
 
     Sets up the rank's plan and :class:`MicroBatchSampler`, refusing on every rank alike a
-    topology whose dp differs from the geometry's and options that need EOD ids a dataset lacks.
+    topology whose dp differs from the geometry's, options that need EOD ids a dataset lacks, and
+    a balance by attention without document boundaries.
     :meth:`next_batch` raises StopIteration when no step is left, logs a step to the audit before
     its first micro-batch, returns None on middle pipeline stages and otherwise what
     :meth:`_micro_batch` makes of the positions, then advances (a micro-batch whose read raises
@@ -62,6 +64,7 @@ class RankSchedule:
                               "expected the same data-parallel size")
         self.topology = topology
         self.mode = LoadMode(mode)
+        check_balance(geometry, options)
         self.plan: RankPlan = topology.plan(rank, self.mode, boundaries=options.boundary_fields)
         self.options = options
         self.sampler = MicroBatchSampler(source, geometry, dp_rank=self.plan.coordinates.dp_rank,

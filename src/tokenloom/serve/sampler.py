@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.serve.balance import check_balance_source, step_placement
 from tokenloom.serve.geometry import BatchGeometry, check_planned_steps
 from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.weight_changes import BlendSegment
@@ -33,8 +34,10 @@ class MicroBatchSampler:
     Step ``k`` starts after ``consumed`` samples and serves ``[consumed, consumed + G)``; its
     micro-step ``m`` gives rank ``r`` positions ``consumed + m x micro x dp + r x micro + [0, micro)``.
     Iteration stops before the first step the stream cannot fill (or after ``max_steps`` steps).
-    A source with a mixture schedule needs the geometry's steps to be the ones its phase
-    boundaries were planned on (ConfigError otherwise; :func:`check_planned_steps`).
+    With ``geometry.balance`` the step's positions are the same, placed on the (micro-step, rank)
+    slots by their cost (:meth:`placement`, :mod:`tokenloom.serve.balance`). A source with a
+    mixture schedule needs the geometry's steps to be the ones its phase boundaries were planned on
+    (ConfigError otherwise; :func:`check_planned_steps`).
     """
 
     def __init__(self, source: SampleSource | SampleStream, geometry: BatchGeometry, *, dp_rank: int = 0,
@@ -47,7 +50,10 @@ class MicroBatchSampler:
         if not 0 <= dp_rank < geometry.dp:
             raise ConfigError(f"dp_rank={dp_rank!r}; expected an integer in [0, {geometry.dp})")
         self.dp_rank = int(dp_rank)
+        check_balance_source(self.stream.source, geometry)
         self.max_steps = max_steps
+        self._placed: tuple[SampleStream, int, np.ndarray] | None = None
+        """The stream, step start and :meth:`placement` last computed (each rank computes a step's once)."""
         self.step = 0
         """Optimizer steps completed."""
         self.step_start = 0
@@ -98,8 +104,22 @@ class MicroBatchSampler:
     def positions(self) -> np.ndarray:
         """(micro,) int64: this rank's positions of the next micro-batch (no advance)."""
         micro = self.geometry.micro_batch_size
+        if self.geometry.balance is not None:
+            first = self.micro_batch * self.geometry.samples_per_micro_step + self.dp_rank * micro
+            return self.placement()[first:first + micro].copy()
         first = self.consumed_samples + self.dp_rank * micro
         return np.arange(first, first + micro, dtype=np.int64)
+
+    def placement(self) -> np.ndarray:
+        """(G,) int64: the current step's positions in slot order, slot ``m x micro x dp + r x micro
+        + j`` being rank ``r``'s micro-batch ``m`` (Megatron's order: the positions ascending,
+        unless the geometry balances). Computed from the index once per step, the same on every
+        rank; after a weight change, skip or quarantine, of the stream as it now is."""
+        placed = self._placed
+        if placed is None or placed[0] is not self.stream or placed[1] != self.step_start:
+            placed = self._placed = (self.stream, self.step_start, step_placement(
+                self.stream, self.geometry, self.step_start, self.global_batch_size))
+        return placed[2]
 
     def advance(self) -> None:
         """Move past one micro-step (and to the next step after the last one)."""
@@ -134,6 +154,7 @@ class MicroBatchSampler:
         iterator or a probe advances without moving this one)."""
         twin = MicroBatchSampler(self.stream, self.geometry, dp_rank=self.dp_rank, max_steps=self.max_steps)
         twin.seek(self.step, self.step_start, self.micro_batch)
+        twin._placed = self._placed  # read-only: a new step computes its own
         return twin
 
     def seek(self, step: int, step_start: int, micro_batch: int = 0) -> None:

@@ -7,17 +7,21 @@
 Each rank gets its own :class:`~tokenloom.serve.loader.RankLoader` (``LoadMode.EVERY_RANK``, so
 every tensor peer reads for itself); after each micro-step the simulation checks that tensor
 peers hold identical tensors and that the context-parallel ranks' chunks tile the sequence, then
-reassembles the global batch in stream order from the first and last pipeline stages.
+reassembles the global batch in stream order from the first and last pipeline stages (with
+``BatchGeometry(balance=...)`` the ranks read the step's positions in another placement; the
+reassembled batch is the same). ``rank_costs`` is each micro-batch's cost as each rank served it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.balance import batch_costs
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.samples import SAMPLE_WIDE_FIELDS, SampleOptions
@@ -33,6 +37,11 @@ class JobReport:
     """Per step: every field over the whole global batch, rows in stream order, full sequences."""
     state: dict
     """The serving state after the last step (identical on every rank)."""
+    rank_costs: list[np.ndarray]
+    """Per step: ``(M, dp)`` int64, the cost of each data-parallel rank's micro-batch ``m`` as
+    served, by the geometry's ``balance`` (without one: ``"attention"`` where the options carry
+    document boundaries, else ``"tokens"``; :mod:`tokenloom.index.balance`). A rank's step costs
+    the sum over ``m``; the step waits for the costliest rank."""
 
 
 def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topology, *, num_steps: int,
@@ -48,10 +57,14 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
-    steps = []
+    costed = geometry if geometry.balance is not None else dataclasses.replace(
+        geometry, balance="attention" if options.inter_document_masking else "tokens")
+    firsts = [loaders[topology.rank_of(dp_rank=r, tp_rank=0, pp_rank=0, cp_rank=0)] for r in range(topology.dp)]
+    steps, rank_costs = [], []
     for _ in range(num_steps):
-        micro_steps = []
+        micro_steps, served = [], []
         for _ in range(loaders[0].sampler.num_micro_batches):
+            served.append(np.stack([first.sampler.positions() for first in firsts]))  # (dp, micro)
             outputs = [loader.next_batch() for loader in loaders]
             per_dp = []
             for dp_rank in range(topology.dp):
@@ -82,11 +95,15 @@ def simulate_job(source: SampleSource, geometry: BatchGeometry, topology: Topolo
                             merged[name][tuple(index)] = value
                 per_dp.append(merged)
             micro_steps.append({k: np.concatenate([m[k] for m in per_dp]) for k in per_dp[0]})
-        steps.append({k: np.concatenate([m[k] for m in micro_steps]) for k in micro_steps[0]})
+        positions = np.stack(served)  # (M, dp, micro) the step's positions as the ranks read them
+        rank_costs.append(batch_costs(loaders[0].sampler.stream, positions.reshape(-1), costed)
+                          .reshape(positions.shape).sum(axis=2))
+        in_stream_order = np.argsort(positions.reshape(-1), kind="stable")
+        steps.append({k: np.concatenate([m[k] for m in micro_steps])[in_stream_order] for k in micro_steps[0]})
     states = [loader.state_dict() for loader in loaders]
     if any(s != states[0] for s in states):
         raise TokenloomError("ranks disagree on the serving state")
-    return JobReport(global_batches=steps, state=states[0])
+    return JobReport(global_batches=steps, state=states[0], rank_costs=rank_costs)
 
 
 __all__ = ["JobReport", "simulate_job"]

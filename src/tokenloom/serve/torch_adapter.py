@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tokenloom.errors import ConfigError
 from tokenloom.serve.audit import MixtureAudit
+from tokenloom.serve.balance import check_balance
 from tokenloom.serve.batch import BatchPipeline, check_eod, field_schema, finish_micro_batch
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.loader import RankSchedule
@@ -206,6 +207,7 @@ def build_dataloader(source: SampleSource, geometry: BatchGeometry, *, topology:
     finishes each, ``finish_micro_batch``).
     """
     topology = topology or Topology(dp=geometry.dp)
+    check_balance(geometry, options)
     plan = topology.plan(rank, mode, boundaries=options.boundary_fields)
     if not plan.loads:
         raise ConfigError(f"rank {rank} ({plan.coordinates}) loads no data in mode {LoadMode(mode).value}; "
