@@ -25,4 +25,6 @@ $PY -m pip install --quiet --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "ty
   "typeguard>=4.0"
 # JAX on the CPU, for the JAX adapter's multi-process tests.
 $PY -m pip install --quiet "jax[cpu]>=0.4.30"
-$PY -c "import tokenloom, torch, jax, torchdata, torchtitan.components.dataloader, megatron.core.datasets.helpers_cpp; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| jax', jax.__version__, '| megatron-core ready')"
+# jinja2 and transformers come with .[dev] (chat templates; Megatron-LM's SFTTokenizer goes through
+# transformers): checked here with the rest, since the chat differential test needs both.
+$PY -c "import tokenloom, torch, jax, torchdata, torchtitan.components.dataloader, megatron.core.datasets.helpers_cpp, jinja2, transformers; print('tokenloom', tokenloom.__version__, '| torch', torch.__version__, '| jax', jax.__version__, '| transformers', transformers.__version__, '| megatron-core ready')"

@@ -30,7 +30,8 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     """Register ``tokenize`` on ``subparsers`` and return its parser."""
     p = subparsers.add_parser(
         "tokenize",
-        help="tokenize JSONL / Parquet / text files into a token store",
+        help="tokenize JSONL / Parquet / text files (or chat and pre-tokenized spans, with a loss mask) into a "
+             "token store",
         description="Tokenize documents from JSONL, Parquet or text files (gzip/zstd compressed, "
         "directories read recursively, glob patterns) in parallel into one Megatron .bin/.idx "
         "token store, with a PREFIX.meta.json sidecar recording the tokenizer. The output is "
@@ -46,10 +47,20 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
              "(or its directory)",
     )
     p.add_argument(
-        "--format", dest="input_format", choices=("auto", "jsonl", "parquet", "text"), default="auto",
+        "--format", "--input-format", dest="input_format",
+        choices=("auto", "jsonl", "parquet", "text", "chat", "spans"), default="auto",
         help="input format; auto (default) goes by extension: .jsonl/.json/.ndjson, .parquet, "
-             ".txt/.text/.md, plus .gz/.zst",
+             ".txt/.text/.md, plus .gz/.zst. chat: JSONL {\"messages\": [{\"role\", \"content\"}, ...]} "
+             "rendered through the chat template, only the assistant turns in the loss; spans: JSONL "
+             "{\"input_ids\": [...], \"loss_spans\": [[begin, end], ...]}; both write a loss mask beside the "
+             "store (PREFIX.mask)",
     )
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="chat: a Jinja chat template (default: the tokenizer's own, chat_template in "
+                   "tokenizer_config.json or chat_template.jinja beside tokenizer.json)")
+    p.add_argument("--assistant-prefix-tokens", type=int, default=0, metavar="N",
+                   help="chat: keep the first N tokens of each assistant turn (its role header) outside the loss, "
+                   "as Megatron-LM's assistant_prefix_len (default 0: the whole turn is in the loss)")
     p.add_argument("--text-key", default="text", metavar="KEY",
                    help="JSONL field with the text; a.b for nested objects (default: text)")
     p.add_argument("--column", default="text", metavar="NAME", help="Parquet column with the text (default: text)")
@@ -135,6 +146,10 @@ def _format_summary(summary) -> str:
         lines.append(how)
     if summary.engine == "gigatoken":
         lines.append(_identity(summary))
+    if summary.loss_tokens is not None:
+        share = summary.loss_tokens / summary.num_tokens if summary.num_tokens else 0.0
+        lines.append(f"loss mask {summary.prefix}.mask: {_count(summary.loss_tokens, 'token')} in the loss "
+                     f"({share:.1%})")
     if summary.num_skipped:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
         lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")
@@ -163,6 +178,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
     config = TokenizeConfig(
         tokenizer=args.tokenizer,
         input_format=args.input_format,
+        chat_template=args.chat_template,
+        assistant_prefix_tokens=args.assistant_prefix_tokens,
         text_key=args.text_key,
         column=args.column,
         lines=args.lines,
@@ -188,6 +205,9 @@ def run_tokenize(args: argparse.Namespace) -> int:
     try:
         summary = tokenize_to_store(args.inputs, args.output, config, progress=bar)
     except ConfigError as exc:
+        if "has no chat template" in str(exc) or "assistant_prefix_tokens" in str(exc):
+            raise ConfigError(f"{exc} (--chat-template FILE, --assistant-prefix-tokens N with --input-format chat)") \
+                from exc
         if "end-of-document" in str(exc):
             raise ConfigError(f"{exc} (--eod-id ID, or --no-eod)") from exc
         if "engine='hf'" in str(exc):

@@ -27,8 +27,13 @@ from tokenloom.errors import ConfigError, InputError
 from tokenloom.io.remote import open_object
 from tokenloom.io.s3 import head, is_remote, list_objects
 
-INPUT_FORMATS = ("auto", "jsonl", "parquet", "text")
-"""``auto`` picks the format of each file from its extension (``EXTENSION_FORMATS``)."""
+INPUT_FORMATS = ("auto", "jsonl", "parquet", "text", "chat", "spans")
+"""``auto`` picks the format of each file from its extension (``EXTENSION_FORMATS``); ``chat``
+(``messages`` with roles) and ``spans`` (``input_ids`` with ``loss_spans``) are JSONL files whose
+records carry a loss mask (:mod:`tokenloom.tokenization.chat`, :mod:`tokenloom.tokenization.spans`)."""
+
+RECORD_FORMATS = {"chat": "jsonl", "spans": "jsonl"}
+"""Input formats of records with a loss mask -> the file format they are read as."""
 
 EXTENSION_FORMATS = {
     ".jsonl": "jsonl",
@@ -51,8 +56,14 @@ BAD_RECORD_REASONS = (
     "not_an_object",
     "missing_key",
     "not_a_string",
+    "bad_conversation",
+    "template_error",
+    "bad_spans",
 )
-"""Why a record can be rejected; the keys of ``TokenizeSummary.skipped``."""
+"""Why a record can be rejected; the keys of ``TokenizeSummary.skipped``. The last three are
+chat and spans records': a conversation Megatron's ``SFTDataset`` cannot mask (an unknown role, a
+message without content, no assistant turn), a chat template that fails on it or renders its
+messages otherwise than the whole, and ids or spans out of range."""
 
 _SIDECAR_SUFFIX = ".meta.json"  # token store sidecars are not inputs, though they end in .json
 
@@ -98,6 +109,17 @@ class BadRecord:
     """``"{path}:{line}: what was wrong"`` (``row`` instead of a line for Parquet)."""
 
 
+class RecordError(InputError):
+    """A chat or spans record that cannot be used: ``reason`` (one of ``BAD_RECORD_REASONS``) and
+    a message naming the file and line. Raised inside a worker; the pipeline turns it into a
+    ``BadRecord`` (an InputError with the same message, or a count under ``skip_bad``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RawChunk:
     """Unparsed records read from one file: the unit the main process hands to a worker."""
@@ -116,6 +138,17 @@ class RawChunk:
 
     input_bytes_done: int
     """Bytes of the file on disk consumed once this chunk is read (for progress)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParsedObjects:
+    """What ``parse_objects`` made of a JSONL ``RawChunk``: the JSON values of its lines."""
+
+    objects: list[Any]
+    line_numbers: list[int]
+    """(len(objects),) line number of each."""
+
+    bad: list[BadRecord]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -143,7 +176,7 @@ def detect_format(path: str, input_format: str = "auto") -> tuple[str | None, st
     """(format, compression) of ``path``; format None when ``auto`` cannot tell."""
     ext, compression = _split_extension(path)
     if input_format != "auto":
-        return input_format, compression
+        return RECORD_FORMATS.get(input_format, input_format), compression
     return EXTENSION_FORMATS.get(ext), compression
 
 
@@ -630,6 +663,46 @@ def parse_chunk(chunk: RawChunk, *, text_key: str = "text", first_bad_only: bool
     return ParsedChunk(texts=texts, line_numbers=numbers, bad=bad)
 
 
+def parse_objects(chunk: RawChunk, *, first_bad_only: bool = False) -> ParsedObjects:
+    """The JSON values of a JSONL chunk's lines (chat and spans records; the caller checks their
+    shape). Blank lines are skipped; a line that is not valid UTF-8 or not JSON becomes a
+    ``BadRecord`` with the same message :func:`parse_chunk` gives it."""
+    objects: list[Any] = []
+    numbers: list[int] = []
+    bad: list[BadRecord] = []
+    path = chunk.path
+    fast_loads = _fast_json_loads()
+    for offset, line in enumerate(chunk.payload.split(b"\n")):
+        number = chunk.first_line + offset
+        if not line or line.isspace():
+            continue
+        if fast_loads is not None:
+            try:  # the common line; anything it refuses is decided by json below
+                objects.append(fast_loads(line))
+                numbers.append(number)
+                continue
+            except ValueError:
+                pass
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad.append(BadRecord(path=path, line_number=number, reason="invalid_utf8",
+                                 message=_utf8_error(path, f"{number}", line, exc.start, "line")))
+            if first_bad_only:
+                break
+            continue
+        try:
+            objects.append(json.loads(text))
+            numbers.append(number)
+        except json.JSONDecodeError as exc:
+            reason = exc.msg.removesuffix(" at")
+            bad.append(BadRecord(path=path, line_number=number, reason="malformed_json",
+                                 message=f"{path}:{number}: malformed JSON: {reason} at column {exc.colno}"))
+            if first_bad_only:
+                break
+    return ParsedObjects(objects=objects, line_numbers=numbers, bad=bad)
+
+
 def iter_records(
     source: InputFile, *, text_key: str = "text", lines: bool = False, column: str = "text",
     skip_bad: bool = False,
@@ -652,15 +725,19 @@ __all__ = [
     "BAD_RECORD_REASONS",
     "EXTENSION_FORMATS",
     "INPUT_FORMATS",
+    "RECORD_FORMATS",
     "BadRecord",
     "InputFile",
     "ParsedChunk",
+    "ParsedObjects",
     "RawChunk",
     "Record",
+    "RecordError",
     "detect_format",
     "discover_inputs",
     "iter_records",
     "open_binary",
     "parse_chunk",
+    "parse_objects",
     "read_chunks",
 ]

@@ -36,20 +36,33 @@ import numpy as np
 
 from tokenloom.errors import BuildError, ConfigError, InputError
 from tokenloom.io import IndexedDatasetWriter, dtype_for_vocab
+from tokenloom.tokenization.chat import (
+    ChatTemplate,
+    RenderedConversation,
+    check_prefix_tokens,
+    conversations_of,
+    encode_conversations,
+    load_chat_template,
+    render_conversation,
+)
 from tokenloom.tokenization.engines import GUARD_CHARACTERS, check_engine, first_difference
 from tokenloom.tokenization.inputs import (
     BAD_RECORD_REASONS,
     INPUT_FORMATS,
+    RECORD_FORMATS,
     BadRecord,
     InputFile,
     RawChunk,
+    RecordError,
     discover_inputs,
     line_start_at_or_after,
     parse_chunk,
+    parse_objects,
     read_chunks,
     splittable,
 )
 from tokenloom.tokenization.record import TokenizerRecord
+from tokenloom.tokenization.spans import encode_span_records
 from tokenloom.tokenization.tokenizers import Tokenizer, load_tokenizer
 from tokenloom.validate import is_integer
 
@@ -74,7 +87,18 @@ class TokenizeConfig:
     HuggingFace ``tokenizer.json`` (or of its directory)."""
 
     input_format: str = "auto"
-    """``"auto"`` (from each file's extension), ``"jsonl"``, ``"parquet"`` or ``"text"``."""
+    """``"auto"`` (from each file's extension), ``"jsonl"``, ``"parquet"`` or ``"text"``; or JSONL
+    records that give the store a loss mask: ``"chat"`` (``messages`` rendered through the chat
+    template, only the assistant turns in the loss: :mod:`tokenloom.tokenization.chat`) or
+    ``"spans"`` (``input_ids`` with ``loss_spans``: :mod:`tokenloom.tokenization.spans`)."""
+
+    chat_template: str | None = None
+    """``"chat"``: a Jinja chat template file; None takes the tokenizer's own (``chat_template``
+    in ``tokenizer_config.json`` beside it, or ``chat_template.jinja``)."""
+
+    assistant_prefix_tokens: int = 0
+    """``"chat"``: the first tokens of each assistant turn kept outside the loss (its role header;
+    Megatron-LM's ``PromptConfig.assistant_prefix_len``); 0 puts the whole turn in the loss."""
 
     text_key: str = "text"
     """JSONL field holding the text; ``"a.b"`` reaches into nested objects."""
@@ -124,6 +148,11 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         check_engine(self.engine)
+        check_prefix_tokens(self.assistant_prefix_tokens)
+        if (self.chat_template is not None or self.assistant_prefix_tokens) and self.input_format != "chat":
+            raise ConfigError(f"chat_template {self.chat_template!r} and assistant_prefix_tokens "
+                              f"{self.assistant_prefix_tokens!r} apply to input_format='chat', not "
+                              f"{self.input_format!r}")
         if self.input_format not in INPUT_FORMATS:
             raise ConfigError(f"input_format {self.input_format!r}, expected one of {INPUT_FORMATS}")
         if not self.text_key or not self.column:
@@ -138,7 +167,7 @@ class TokenizeConfig:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r}, expected a positive int (e.g. {1 << 20})")
         if self.eod_id is not None and (not is_integer(self.eod_id) or self.eod_id < 0):
             raise ConfigError(f"eod_id {self.eod_id!r}, expected a non-negative int or None")
-        for name in ("workers", "chunk_bytes", "eod_id"):  # numpy integers become plain ints
+        for name in ("workers", "chunk_bytes", "eod_id", "assistant_prefix_tokens"):  # numpy ints become ints
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -208,6 +237,9 @@ class TokenizeSummary:
     """Characters of text each process encoded with both engines before trusting gigatoken alone
     (the guard samples; identity rests on the code point scan)."""
 
+    loss_tokens: int | None = None
+    """Of a store with a loss mask (chat and spans input): the tokens in the loss; else None."""
+
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
@@ -234,6 +266,10 @@ class _EncodeJob:
     stop_at_bad: bool
     verify: bool = False
     """Compare every document, not the guard's sample."""
+    records: str = "text"
+    """``"text"``, or the records with a loss mask: ``"chat"``, ``"spans"``."""
+    template: ChatTemplate | None = None
+    assistant_prefix_tokens: int = 0
     guard: dict[int, int] = dataclasses.field(default_factory=dict)
     """Process id -> characters this run still holds gigatoken to ``tokenizers`` on (each worker
     process gets its own copy with the job, so every process of every run checks its first
@@ -249,6 +285,7 @@ class _EncodedBatch:
     bad_examples: list[str]
     error: str | None = None
     routed: int = 0  # documents encoded by tokenizers for holding a divergent code point
+    loss_mask: np.ndarray | None = None  # (num_tokens,) uint8 of chat and spans records, else None
 
 
 _JOB: _EncodeJob | None = None
@@ -355,6 +392,8 @@ def _guard(job: _EncodeJob, texts: list[str], where: list[tuple[str, int]], enco
 # batch encode, which keeps tokenize below gigatoken's own encode per CPU-second (BENCHMARKS.md,
 # "Tokenize"); moving them under the released GIL is what is left.
 def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
+    if job.records != "text":
+        return _encode_masked(job, chunks)
     texts: list[str] = []
     where: list[tuple[str, int]] = []
     bad: list[BadRecord] = []
@@ -403,6 +442,104 @@ def _encode_chunks(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
         bad_examples=[b.message for b in bad[:_MAX_LOGGED_BAD_RECORDS]],
         routed=routed,
     )
+
+
+def _encode_masked(job: _EncodeJob, chunks: list[RawChunk]) -> _EncodedBatch:
+    """Chat or spans records -> tokens, lengths and loss mask (the appended EOD outside the loss)."""
+    objects: list = []
+    where: list[tuple[str, int]] = []
+    parse_bad: list[BadRecord] = []
+    for chunk in chunks:
+        parsed = parse_objects(chunk, first_bad_only=job.stop_at_bad)
+        objects.extend(parsed.objects)
+        where.extend((chunk.path, number) for number in parsed.line_numbers)
+        parse_bad.extend(parsed.bad)
+        if parsed.bad and job.stop_at_bad:
+            break  # a bad record among the lines before it is the one to report
+    if job.records == "chat":
+        tokens, lengths, mask, record_bad, routed = _encode_chat(job, objects, where)
+    else:
+        found = encode_span_records(objects, [f"{path}:{line}" for path, line in where], job.tokenizer.vocab_size,
+                                    first_bad_only=job.stop_at_bad)
+        tokens, lengths, mask, routed = found.tokens, found.lengths, found.loss_mask, 0
+        record_bad = [_bad_record(where[index], error) for index, error in found.bad]
+    if job.stop_at_bad and (record_bad or parse_bad):
+        return _EncodedBatch(tokens=np.zeros(0, job.dtype), lengths=np.zeros(0, np.int64), num_empty=0, skipped={},
+                             bad_examples=[], error=(record_bad or parse_bad)[0].message)
+    bad = sorted(record_bad + parse_bad, key=lambda b: (b.path, b.line_number))
+    empty = lengths == 0
+    num_empty = int(empty.sum())
+    lengths = lengths[~empty]
+    if tokens.size and int(tokens.max()) >= job.tokenizer.vocab_size:
+        raise BuildError(f"tokenizer {job.tokenizer!r} produced ids outside [0, {job.tokenizer.vocab_size})")
+    tokens = tokens.astype(job.dtype, copy=False)
+    mask = mask.astype(np.uint8, copy=False)
+    if job.append_eod and lengths.size:
+        # tokens, mask (T,) -> (T + num_documents,): the EOD after each document, outside the loss
+        ends = np.cumsum(lengths)
+        tokens, mask = np.insert(tokens, ends, job.eod_id), np.insert(mask, ends, 0)
+        lengths = lengths + 1
+    return _EncodedBatch(tokens=tokens, lengths=lengths, num_empty=num_empty,
+                         skipped=dict(collections.Counter(b.reason for b in bad)),
+                         bad_examples=[b.message for b in bad[:_MAX_LOGGED_BAD_RECORDS]], routed=routed,
+                         loss_mask=mask)
+
+
+def _bad_record(where: tuple[str, int], error: RecordError) -> BadRecord:
+    return BadRecord(path=where[0], line_number=where[1], reason=error.reason, message=error.message)
+
+
+def _encode_chat(job: _EncodeJob, objects: list, where: list[tuple[str, int]]):
+    """(tokens, lengths, mask, bad records, routed) of the conversations of ``objects``: a record
+    is kept whole or left out whole."""
+    rendered: list[RenderedConversation] = []
+    owner: list[int] = []  # (conversations,) the record each conversation came from
+    bad: list[BadRecord] = []
+    for index, (record, (path, line)) in enumerate(zip(objects, where)):
+        try:
+            conversations = [render_conversation(job.template, conversation, f"{path}:{line}")
+                             for conversation in conversations_of(record, f"{path}:{line}")]
+        except RecordError as exc:
+            bad.append(_bad_record((path, line), exc))
+            if job.stop_at_bad:
+                break
+            continue
+        rendered.extend(conversations)
+        owner.extend([index] * len(conversations))
+    unencodable = {i for i, r in enumerate(rendered) if not _encodes(r.text)}
+    if unencodable:  # lone surrogates from JSON \u escapes: the tokenizer would refuse the batch
+        for i in sorted({owner[i] for i in unencodable}):
+            bad.append(BadRecord(path=where[i][0], line_number=where[i][1], reason="invalid_unicode",
+                                 message=f"{where[i][0]}:{where[i][1]}: a message is not valid Unicode (a lone "
+                                 "surrogate from a JSON \\u escape?)"))
+        dropped = {owner[i] for i in unencodable}
+        keep = [i for i in range(len(rendered)) if owner[i] not in dropped]
+        rendered, owner = [rendered[i] for i in keep], [owner[i] for i in keep]
+
+    def encode(texts: list[str]):
+        found = _encode(job.tokenizer, texts)
+        places = [where[index] for index in owner]  # file and line of each text, for the guard's message
+        places += [place for place, r in zip(places, rendered) for _ in r.turns]
+        _guard(job, texts, places, found[:2])
+        return found
+
+    encoded = encode_conversations(encode, rendered, groups=np.asarray(owner, dtype=np.int64),
+                                   assistant_prefix_tokens=job.assistant_prefix_tokens)
+    seen = set()
+    for index, error in encoded.bad:
+        if owner[index] not in seen:
+            seen.add(owner[index])
+            bad.append(_bad_record(where[owner[index]], error))
+    bad.sort(key=lambda b: (b.path, b.line_number))
+    return encoded.tokens, encoded.lengths, encoded.loss_mask, bad, encoded.routed
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # -- main side ------------------------------------------------------------------------------------
@@ -564,7 +701,13 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         route()  # before the workers start: they share (or are sent) its result
     record = tokenizer.record(append_eod=config.append_eod)
     dtype = np.dtype(dtype_for_vocab(record.vocab_size))
+    template = None
+    if config.input_format == "chat":
+        template = load_chat_template(getattr(tokenizer, "path", config.tokenizer), config.chat_template)
     job = _EncodeJob(
+        records=config.input_format if config.input_format in RECORD_FORMATS else "text",
+        template=template,
+        assistant_prefix_tokens=config.assistant_prefix_tokens,
         tokenizer=tokenizer,
         text_key=config.text_key,
         append_eod=config.append_eod,
@@ -577,13 +720,18 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
     logger.info("tokenizing %d input file(s) with %r and %d worker %s into %s",
                 len(files), tokenizer, workers, "thread(s)" if threads else "process(es)", output_prefix)
     num_documents = num_tokens = num_empty = logged_bad = routed = 0
+    loss_tokens = 0 if job.records != "text" else None
     skipped: collections.Counter = collections.Counter()
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
         for batch, task in _encode_ordered(job, _tasks(pieces, config), workers, threads):
             if batch.error is not None:
                 raise InputError(batch.error)
-            writer.add_documents(batch.tokens, batch.lengths)
+            if batch.loss_mask is not None:
+                writer.add_documents(batch.tokens, batch.lengths, loss_mask=batch.loss_mask)
+                loss_tokens += int(np.count_nonzero(batch.loss_mask))
+            else:
+                writer.add_documents(batch.tokens, batch.lengths)
             num_documents += int(batch.lengths.size)
             num_tokens += int(batch.tokens.size)
             num_empty += batch.num_empty
@@ -615,6 +763,7 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         threads=threads,
         **engine_report(tokenizer, verify=config.verify),
         routed_documents=routed,
+        loss_tokens=loss_tokens,
     )
     logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
                 dict(summary.skipped))
@@ -641,6 +790,8 @@ def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: 
             "text_key": config.text_key,
             "column": config.column,
             "lines": config.lines,
+            **({"chat_template": config.chat_template, "assistant_prefix_tokens": config.assistant_prefix_tokens}
+               if config.input_format == "chat" else {}),
             "documents": documents,
             "tokens": tokens,
             "empty_documents": empty,
