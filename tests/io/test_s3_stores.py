@@ -309,3 +309,39 @@ def test_consecutive_missing_blocks_are_fetched_in_one_get(faulty, stores, monke
     assert faulty.object_gets - before == 1 + -(-(blocks - 2) // 4)
     ranges = [entry[2] for entry in faulty.log[-(faulty.object_gets - before):]]
     assert f"bytes=0-{(16 << 10) - 1}" in ranges and f"bytes={32 << 10}-{(96 << 10) - 1}" in ranges
+
+
+def test_a_loss_mask_travels_and_reads_like_the_local_one(direct, endpoint, tmp_path):
+    """The .mask object beside the others: read in blocks (a mask of several 16 KiB blocks),
+    validated, merged and fingerprinted as the local store is; missing, it is named."""
+    from tokenloom.builder.stores import fingerprint_store
+    from tokenloom.io import validate
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 900, size=700)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    mask = (rng.random(tokens.size) < 0.6).astype(np.uint8)
+    prefix = str(tmp_path / "chat")
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        writer.add_documents(tokens, lengths, loss_mask=mask)
+        writer.finalize({"tokenizer": {"kind": "test", "vocab_size": 60000, "eod_id": 0}})
+    assert os.path.getsize(prefix + ".mask") > 2 * 16 * 1024
+    url = _upload_store(endpoint, prefix, f"s3://{BUCKET}/masked/chat",
+                        suffixes=(".idx", ".bin", ".meta.json", ".mask"))
+    local, remote = IndexedDataset(prefix), IndexedDataset(url)
+    assert remote.has_loss_mask
+    validate(remote)
+    ids, offsets, takes = _random_spans(local, rng, 200)
+    np.testing.assert_array_equal(remote.read_loss_mask_spans(ids, offsets, takes),
+                                  local.read_loss_mask_spans(ids, offsets, takes))
+    for i in rng.integers(0, local.num_sequences, size=20):
+        np.testing.assert_array_equal(remote.get_loss_mask(int(i)), local.get_loss_mask(int(i)))
+    merge_stores([url, url], str(tmp_path / "merged_remote"))
+    merge_stores([prefix, prefix], str(tmp_path / "merged_local"))
+    assert open(tmp_path / "merged_remote.mask", "rb").read() == open(tmp_path / "merged_local.mask", "rb").read()
+    fingerprint = fingerprint_store(url, lambda n: [(0, n)]).fingerprint
+    assert fingerprint.mask_sha256 == local.metadata["loss_mask"]["sha256"]
+    assert fingerprint.mask_bytes == os.path.getsize(prefix + ".mask")
+    no_mask = _upload_store(endpoint, prefix, f"s3://{BUCKET}/masked/nomask")
+    with pytest.raises(FormatError, match=rf"{no_mask}\.mask: no such object"):
+        IndexedDataset(no_mask).get_loss_mask(0)
