@@ -31,8 +31,9 @@ is the same full ``S x S`` triangle for all) counts instead each sample's real t
 columns holding a token, padding excluded (a best-fit sample's padding is what differs).
 
 **The assignment** (:func:`assign_slots`) is LPT (longest processing time first) in rounds,
-then pairwise swaps, twice: over the data-parallel ranks, then over each rank's micro-batches
-(pipeline bubbles follow the slowest micro-batch). Every rank holds exactly ``G / dp`` samples
+then pairwise swaps (until the heaviest load is within 0.1% of the lower bound), twice: over
+the data-parallel ranks, then over each rank's micro-batches (pipeline bubbles follow the
+slowest micro-batch). Every rank holds exactly ``G / dp`` samples
 and every micro-batch exactly ``micro`` of them, so the partition is one with equal
 cardinalities. LPT in rounds keeps that by construction: the samples, costliest first, are
 dealt ``dp`` at a time, the costliest of a round to the rank with the least load so far, so a
@@ -41,7 +42,8 @@ heaviest rank swaps one sample for a cheaper one of another rank while that lowe
 larger load, the best swap first. Karmarkar-Karp's differencing is the better heuristic for two
 sets, but its k-way form with equal cardinalities merges whole k-tuples per step and gains
 little when each rank holds several samples, where the swaps close most of what LPT leaves;
-this costs ``O(G log G)`` plus one ``(G/dp) x G`` comparison per swap, in numpy.
+this costs ``O(G log G)`` plus one ``(G/dp) x G`` comparison per swap, in one compiled kernel
+(numba through :mod:`tokenloom.index.kernels`; the same function interpreted without it).
 
 It is a pure function of the costs in stream order and the layout: ties go by cost, then by
 stream order, then by the lowest rank, so every rank computes the same placement, and the loads
@@ -59,6 +61,7 @@ import dataclasses
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.index.kernels import compiled, jit, numba_available
 from tokenloom.validate import is_integer
 
 __all__ = ["BALANCES", "DEFAULT_HIDDEN_SIZE", "CostModel", "assign_slots", "served_document_pairs",
@@ -74,6 +77,11 @@ DEFAULT_HIDDEN_SIZE = 4096
 _SWAPS_PER_LEVEL = 256
 """Most swaps one level of the assignment makes: each lowers the heaviest load, and LPT leaves
 few worth making; the cap bounds the cost of a batch of many equal costs."""
+
+_CLOSE_ENOUGH = 1000
+"""Swaps stop once the heaviest load is within 1/1000 of the lower bound (the mean load, or the
+costliest sample): what is left to gain is below any step time's noise, and on a batch of
+near-equal loads each swap would gain only that, one at a time."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,67 +181,122 @@ def _check_layout(num: int, dp: int, micro_batch_size: int) -> int:
     return num // per
 
 
-def _partition(costs: np.ndarray, bins: int) -> np.ndarray:
-    """(bins, len(costs) / bins) int64 indices into ``costs``: LPT in rounds, then swaps out of
-    the heaviest bin (module docstring); each row ascending."""
+@jit(cache=True, nogil=True)
+def _partition_kernel(costs, bins, out):
+    """Fill ``out`` (bins, len(costs) / bins) with indices into ``costs``: LPT in rounds, then
+    swaps out of the heaviest bin (module docstring); each row ascending."""
     per = costs.shape[0] // bins
-    order = np.lexsort((np.arange(costs.shape[0]), -costs))  # costliest first, ties by index
-    members = np.empty((bins, per), dtype=np.int64)
+    order = np.argsort(-costs, kind="mergesort")  # costliest first; stable: ties by index
     loads = np.zeros(bins, dtype=np.int64)
     for t in range(per):
-        dealt = order[t * bins:(t + 1) * bins]  # descending
-        lightest = np.lexsort((np.arange(bins), loads))  # least load first, ties by bin
-        members[lightest, t] = dealt
-        loads[lightest] += costs[dealt]
+        lightest = np.argsort(loads, kind="mergesort")  # least load first, ties by bin
+        for k in range(bins):
+            item = order[t * bins + k]
+            out[lightest[k], t] = item
+            loads[lightest[k]] += costs[item]
     if per > 1 and bins > 1:
+        total, largest = np.int64(0), np.int64(0)
+        for k in range(costs.shape[0]):
+            total += costs[k]
+            largest = max(largest, costs[k])
+        bound = max(largest, -(-total // bins))  # no bin can weigh less than this at the top
         for _ in range(_SWAPS_PER_LEVEL):
-            heavy = int(np.argmax(loads))  # the first of the heaviest
-            mine = costs[members[heavy]]  # (per,)
-            theirs = costs[members]  # (bins, per)
-            delta = mine[:, None, None] - theirs[None, :, :]  # (per, bins, per) load moved off the heavy bin
-            after = np.maximum(loads[heavy] - delta, loads[None, :, None] + delta)
-            useful = (delta > 0) & (after < loads[heavy])
-            useful[:, heavy, :] = False
-            if not useful.any():
+            heavy = np.argmax(loads)  # the first of the heaviest
+            top = loads[heavy]
+            if top - bound <= bound // _CLOSE_ENOUGH:  # within 1/_CLOSE_ENOUGH of the bound: done
                 break
-            best = int(np.argmin(np.where(useful, after, np.iinfo(np.int64).max)))  # first of the best
-            i, other, j = np.unravel_index(best, delta.shape)
-            moved = int(delta[i, other, j])
-            members[heavy, i], members[other, j] = members[other, j], members[heavy, i]
-            loads[heavy] -= moved
-            loads[other] += moved
-    members.sort(axis=1)
-    return members
+            best, best_i, best_b, best_j = top, -1, -1, -1
+            for i in range(per):  # the first best swap in (i, b, j) order
+                mine = costs[out[heavy, i]]
+                for b in range(bins):
+                    if b == heavy:
+                        continue
+                    for j in range(per):
+                        delta = mine - costs[out[b, j]]  # load moved off the heavy bin
+                        if delta > 0 and loads[b] + delta < top:
+                            after = max(top - delta, loads[b] + delta)
+                            if after < best:
+                                best, best_i, best_b, best_j = after, i, b, j
+            if best_i < 0:
+                break
+            delta = costs[out[heavy, best_i]] - costs[out[best_b, best_j]]
+            item = out[heavy, best_i]
+            out[heavy, best_i] = out[best_b, best_j]
+            out[best_b, best_j] = item
+            loads[heavy] -= delta
+            loads[best_b] += delta
+    for b in range(bins):
+        out[b].sort()
 
 
-def assign_slots(costs, *, dp: int, micro_batch_size: int) -> np.ndarray:
+@jit(cache=True, nogil=True)
+def _max_load(costs, members):
+    """The largest row sum of ``costs[members]``."""
+    top = np.int64(0)
+    for b in range(members.shape[0]):
+        load = np.int64(0)
+        for k in range(members.shape[1]):
+            load += costs[members[b, k]]
+        top = max(top, load)
+    return top
+
+
+@jit(cache=True, nogil=True)
+def _assign_kernel(costs, dp, micro, out):
+    """:func:`assign_slots` into ``out`` (G,): rank sets, then each rank's micro-batches."""
+    num_micro = costs.shape[0] // (dp * micro)
+    per_rank = num_micro * micro
+    plain = np.empty((dp, per_rank), dtype=np.int64)  # Megatron's: rank r, micro-step m, sample j
+    for m in range(num_micro):
+        for r in range(dp):
+            for j in range(micro):
+                plain[r, m * micro + j] = m * dp * micro + r * micro + j
+    ranks = np.empty((dp, per_rank), dtype=np.int64)
+    _partition_kernel(costs, dp, ranks)
+    if _max_load(costs, ranks) >= _max_load(costs, plain):
+        ranks = plain
+    local = np.empty((num_micro, micro), dtype=np.int64)
+    split = np.empty((num_micro, micro), dtype=np.int64)
+    for r in range(dp):
+        held = np.sort(ranks[r])  # (M * micro,) this rank's offsets in stream order
+        plain_micro = held.reshape(num_micro, micro)
+        chosen = plain_micro
+        if num_micro > 1:
+            _partition_kernel(costs[held], num_micro, local)
+            for m in range(num_micro):
+                for j in range(micro):
+                    split[m, j] = held[local[m, j]]
+            if _max_load(costs, split) < _max_load(costs, plain_micro):
+                chosen = split
+        for m in range(num_micro):
+            for j in range(micro):
+                out[m * dp * micro + r * micro + j] = chosen[m, j]
+
+
+def assign_slots(costs, *, dp: int, micro_batch_size: int, backend: str = "auto") -> np.ndarray:
     """(G,) int64: the global batch's offsets (indices into ``costs``, its samples in stream
     order) in slot order: slot ``m * micro * dp + r * micro + j`` is sample ``j`` of data-parallel
     rank ``r``'s micro-batch ``m``, the order Megatron's sampler reads positions in. Inside a
     micro-batch the offsets ascend. See the module docstring for the rule and its guarantees.
-    ConfigError when the batch does not fill the layout's micro-batches."""
+    ConfigError when the batch does not fill the layout's micro-batches. ``backend``: "numba"
+    (the default where installed) or "python" (the same kernel, interpreted); identical results."""
     costs = np.asarray(costs)
     if costs.ndim != 1 or not np.issubdtype(costs.dtype, np.integer):
         raise ConfigError(f"assign_slots costs of shape {costs.shape} and dtype {costs.dtype}; expected one "
                           "integer cost per sample of the global batch (CostModel.sample_costs)")
-    costs = costs.astype(np.int64)
-    micro = micro_batch_size
-    num_micro = _check_layout(costs.shape[0], dp, micro)
-    # (M, dp, micro) -> (dp, M * micro): each rank's offsets in Megatron's order
-    plain = np.arange(costs.shape[0], dtype=np.int64).reshape(num_micro, dp, micro).transpose(1, 0, 2)
-    plain = plain.reshape(dp, num_micro * micro)
-    ranks = _partition(costs, dp)
-    if costs[ranks].sum(axis=1).max() >= costs[plain].sum(axis=1).max():
-        ranks = plain
-    slots = np.empty((num_micro, dp, micro), dtype=np.int64)
-    for r in range(dp):
-        held = np.sort(ranks[r])  # (M * micro,) this rank's offsets in stream order
-        plain_micro = held.reshape(num_micro, micro)
-        split = held[_partition(costs[held], num_micro)] if num_micro > 1 else plain_micro
-        if costs[split].sum(axis=1).max() >= costs[plain_micro].sum(axis=1).max():
-            split = plain_micro
-        slots[:, r, :] = split
-    return slots.reshape(-1)
+    if backend not in ("auto", "numba", "python"):
+        raise ConfigError(f"backend={backend!r}; expected 'auto', 'numba' or 'python'")
+    costs = np.ascontiguousarray(costs, dtype=np.int64)
+    _check_layout(costs.shape[0], dp, micro_batch_size)
+    if costs.shape[0] and int(costs.max()) > 2**62 // costs.shape[0]:
+        raise ConfigError(f"assign_slots: costs up to {int(costs.max())} over {costs.shape[0]} samples overflow "
+                          "int64 loads; give costs in coarser units")
+    out = np.empty(costs.shape[0], dtype=np.int64)
+    kernel = _assign_kernel
+    if backend == "numba" or (backend == "auto" and numba_available()):
+        kernel = compiled(_assign_kernel)
+    kernel(costs, np.int64(dp), np.int64(micro_batch_size), out)
+    return out
 
 
 def slot_costs(costs, order: np.ndarray, *, dp: int, micro_batch_size: int) -> np.ndarray:
