@@ -7,6 +7,7 @@ twice, none skipped), where/find, the dry run, two gloo ranks, and the refusals.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -15,8 +16,12 @@ import pytest
 
 import tokenloom
 from build_fixtures import make_stores, two_rank_build
+from tokenloom.builder.cache import Cache
 from tokenloom.builder.config import build_config_from_dict
+from tokenloom.builder.exact import build_schedule_arrays
+from tokenloom.builder.schedule import run_counts
 from tokenloom.errors import ConfigError
+from tokenloom.index.schedule_exact import exact_phase_blends
 from tokenloom.index.split import split_document_ranges
 
 SEQ, LONG = 64, 256
@@ -41,11 +46,30 @@ def _config(stores, cache_dir, phases=PHASES, **changes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("length-runs")
     make_stores(root / "stores", count=3)
-    values = _config(str(root / "stores"), root / "cache")
+    return root
+
+
+@pytest.fixture(scope="module", params=["stateless", "exact"])
+def built(stores, request):
+    root = stores / request.param
+    values = _config(str(stores / "stores"), root / "cache", mode=request.param)
     return root, values, build_config_from_dict(values), tokenloom.build(values)
+
+
+def _runs(config) -> np.ndarray:
+    """``(P, D)``: what each phase takes of each store as its runs hold them (the plan's counts;
+    exact mode: megatron's targets of each phase's greedy)."""
+    return run_counts(config.schedule_plan(), config.mode)
+
+
+def _sizes(config, runs: list[int]) -> list[int]:
+    """The samples of a store's runs' indices: as planned; exact mode, the last with megatron's buffer."""
+    if config.mode == "stateless":
+        return runs
+    return [*runs[:-1], math.ceil(runs[-1] * (1 + config.mid_level_dataset_surplus))]
 
 
 def _names(split) -> list[str]:
@@ -59,14 +83,18 @@ def test_each_store_whose_length_changes_is_read_as_its_runs(built):
     assert _names(train) == ["store0", "store0", "store0", "store1", "store2"]
     assert train.seq_lengths.tolist() == [SEQ, LONG, SEQ, SEQ, LONG]
     items = [result.plan.item(key) for key in result.plan.splits[0].dataset_keys]
-    n0 = [int(plan.counts[k, 0]) for k in range(3)]  # store0's samples in each phase, each phase one run
-    assert [item.num_samples for item in items[:3]] == n0
+    n0 = [int(_runs(config)[k, 0]) for k in range(3)]  # store0's samples in each phase, each phase one run
+    assert [item.num_samples for item in items[:3]] == _sizes(config, n0)
     # run r of store0 starts at the stream token its earlier runs' samples end at
     assert [item.params["first_token"] for item in items[:3]] == [0, n0[0] * SEQ, n0[0] * SEQ + n0[1] * LONG]
     assert [item.params["seq_length"] for item in items] == [SEQ, LONG, SEQ, SEQ, LONG]
     # a store of one length is indexed as without a schedule: no first_token in its key
     assert "first_token" not in items[3].params and "first_token" not in items[4].params
     assert items[3].num_samples >= int(plan.totals[1])
+    if config.mode == "exact":  # one stream for store0's runs: the epochs they reach in all
+        reach = n0[0] * SEQ + n0[1] * LONG + items[2].num_samples * SEQ + 1
+        assert {item.params["stream_epochs"] for item in items[:3]} == {items[2].epoch_plan.num_epochs}
+        assert items[2].epoch_plan.num_epochs == -(-reach // items[2].epoch_plan.num_tokens_per_epoch)
     columns = result.plan.item(result.plan.splits[0].blend_key).params["schedule"]["columns"]
     assert [c[:3] for c in columns] == [[0, SEQ, 0], [0, LONG, n0[0] * SEQ], [0, SEQ, n0[0] * SEQ + n0[1] * LONG],
                                         [1, SEQ, None], [2, LONG, None]]
@@ -74,20 +102,28 @@ def test_each_store_whose_length_changes_is_read_as_its_runs(built):
     assert result.split("valid").seq_lengths.tolist() == [SEQ] * len(result.split("valid").readers)
 
 
-def test_each_phase_serves_the_plans_counts_from_its_own_runs(built):
+def test_each_phase_serves_the_rules_counts_from_its_own_runs(built):
+    """Per phase, each store's samples are the plan's counts (stateless) or megatron-core's
+    greedy's over the phase (exact), all from the run of the phase's length; each run serves its
+    own samples once each, numbered from 0 (store0's first two runs every sample they hold)."""
     _, _, config, result = built
     plan, train = config.schedule_plan(), result.split("train")
     datasets, samples = train.locate(np.arange(len(train)))
+    counts = plan.counts if config.mode == "stateless" else exact_phase_blends(plan).counts
     store_of = [0, 0, 0, 1, 2]  # the union's id of each column
     for k in range(plan.num_phases):
         window = datasets[plan.boundaries[k]:plan.boundaries[k + 1]]
         assert set(train.seq_lengths[window].tolist()) == {plan.seq_lengths[k]}, f"phase {k + 1}"
-        per_store = np.zeros(plan.num_datasets, dtype=np.int64)
-        np.add.at(per_store, np.asarray(store_of)[window], 1)
-        assert per_store.tolist() == plan.counts[k].tolist(), f"phase {k + 1}"
+        assert {store_of[c] for c in window.tolist()} == set(np.flatnonzero(counts[k]).tolist())
+        if k + 1 < plan.num_phases or config.mode == "stateless":  # exact's last phase is megatron-sized
+            per_store = np.zeros(plan.num_datasets, dtype=np.int64)
+            np.add.at(per_store, np.asarray(store_of)[window], 1)
+            assert per_store.tolist() == counts[k].tolist(), f"phase {k + 1}"
     for column in range(len(train.readers)):  # every run serves its samples once each
         mine = samples[datasets == column]
-        assert sorted(mine.tolist()) == list(range(train.readers[column].num_samples if column < 3 else mine.size))
+        assert sorted(mine.tolist()) == list(range(mine.size)) and mine.size <= train.readers[column].num_samples
+        if column < 2 or (config.mode == "stateless" and column < 3):
+            assert mine.size == train.readers[column].num_samples
 
 
 def _inputs(origin, width: int) -> list[tuple[int, int]]:
@@ -101,19 +137,38 @@ def _inputs(origin, width: int) -> list[tuple[int, int]]:
 def test_a_store_reads_on_from_the_token_its_last_run_stopped_at(built):
     """store0 takes 1.3 epochs of its train documents over three runs of two lengths: every token
     of an epoch is an input once before any is an input again (none twice, none skipped), so
-    each token is an input ``m`` or ``m + 1`` times and they add up to the runs' tokens."""
+    each token is an input ``m`` or ``m + 1`` times and they add up to the runs' tokens. Exact
+    mode's stream is megatron-core's document index over both epochs shuffled together: there
+    the runs' samples, every one, read the stream's tokens from the first on, each once."""
     _, _, config, result = built
     plan, train = config.schedule_plan(), result.split("train")
+    store = train.readers[0].store
+    begin, end = split_document_ranges("90,8,2", store.num_sequences)[0]
+    lengths = np.asarray(store.sequence_lengths[begin:end])
+    epoch = int(lengths.sum())
+    if config.mode == "exact":
+        seen, taken = [], 0
+        for reader in train.readers[:3]:
+            spans = reader.spans(np.argsort(reader.indices.shuffle_index))  # every sample, in stream order
+            width = reader.indices.plan.seq_length
+            for k in range(reader.num_samples):
+                lo, hi = spans.bounds[k], spans.bounds[k + 1]
+                tokens = [(int(d), int(o) + i) for d, o, n in zip(spans.document_ids[lo:hi], spans.offsets[lo:hi],
+                                                                  spans.lengths[lo:hi]) for i in range(int(n))]
+                seen += tokens[:width]
+            taken += reader.num_samples * width
+        epochs = result.plan.item(result.plan.splits[0].dataset_keys[0]).params["stream_epochs"]
+        stream = np.tile(np.arange(begin, end, dtype=np.int32), epochs)
+        np.random.RandomState(config.seed).shuffle(stream)  # megatron-core's document index
+        assert seen == [(int(d), o) for d in stream for o in range(int(store.sequence_lengths[d]))][:taken]
+        assert epoch < taken < 2 * epoch == epochs * epoch
+        return
     origins = [o for o in train.where(np.arange(len(train))) if o.dataset < 3]
     seen = Counter()
     for origin in origins:
         seen.update(_inputs(origin, int(train.seq_lengths[origin.dataset])))
     taken = sum(int(plan.counts[k, 0]) * plan.seq_lengths[k] for k in range(3))
     assert sum(seen.values()) == taken
-    store = train.readers[0].store
-    begin, end = split_document_ranges("90,8,2", store.num_sequences)[0]
-    lengths = np.asarray(store.sequence_lengths[begin:end])
-    epoch = int(lengths.sum())
     assert epoch < taken < 2 * epoch  # the runs cross an epoch
     every = {(begin + d, t) for d in range(end - begin) for t in range(int(lengths[d]))}
     assert set(seen) == every  # no token skipped
@@ -123,6 +178,41 @@ def test_a_store_reads_on_from_the_token_its_last_run_stopped_at(built):
     twice = Counter(d for (d, _), v in seen.items() if v == 2)
     partly = [d for d, n in twice.items() if n != lengths[d - begin]]
     assert len(partly) <= 1 and all(seen[(d, 0)] == 2 for d in partly)
+
+
+class _Lengths:
+    """The only part of a low-level dataset megatron-core reads to build its indices."""
+
+    def __init__(self, lengths):
+        self.sequence_lengths = lengths
+
+
+def test_a_store_of_one_run_is_megatron_cores_own_dataset(built):
+    """Exact mode: store1 (one run at SEQ) and store2 (one run at LONG) have megatron-core's own
+    GPTDataset arrays for their train documents, sample count and sequence length."""
+    _, _, config, result = built
+    if config.mode != "exact":
+        pytest.skip("megatron-core builds exact mode's arrays only")
+    pytest.importorskip("megatron.core")
+    from megatron.core.datasets import gpt_dataset
+    from megatron.core.datasets.utils import Split
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    train = result.split("train")
+    for reader, key in list(zip(train.readers, result.plan.splits[0].dataset_keys))[3:]:
+        params = result.plan.item(key).params
+        assert "first_token" not in params and "stream_epochs" not in params
+        mcfg = gpt_dataset.GPTDatasetConfig(
+            random_seed=config.seed, sequence_length=params["seq_length"],
+            tokenizer=MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=512),
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+        ids = np.arange(params["begin"], params["end"], dtype=np.int32)
+        theirs = gpt_dataset.GPTDataset(_Lengths(np.asarray(reader.store.sequence_lengths)), None, ids,
+                                        params["num_samples"], Split.train, mcfg)
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            ours, expected = np.asarray(getattr(reader.indices, name)), getattr(theirs, name)
+            assert ours.dtype == expected.dtype, name
+            np.testing.assert_array_equal(ours, expected, err_msg=f"{reader.name} {name}")
 
 
 def test_where_and_find_round_trip_across_runs(built):
@@ -154,7 +244,8 @@ def test_the_audit_counts_each_runs_tokens_and_summarises_stores(built, tmp_path
     log = read_audit_log(path)
     assert log.header["seq_lengths"] == [SEQ, LONG, SEQ, SEQ, LONG]
     last = log.records[-1]
-    tokens = [sum(int(plan.counts[k, d]) * plan.seq_lengths[k] for k in range(3)) for d in range(3)]
+    counts = plan.counts if config.mode == "stateless" else exact_phase_blends(plan).counts
+    tokens = [sum(int(counts[k, d]) * plan.seq_lengths[k] for k in range(3)) for d in range(3)]
     by_store = {row["dataset"]: row for row in summarize_audit(log)}
     assert [by_store[p]["tokens"] for p in config.schedule_stores.prefixes] == tokens
     assert sum(last["cumulative_tokens"]) == sum(tokens)
@@ -169,12 +260,38 @@ def test_a_rebuild_takes_everything_from_the_cache(built):
 
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_build_the_bytes_one_process_builds(built, tmp_path):
-    root, values, _, result = built
+    """Exact mode: the cache of two ranks holds what the one-process greedy over every phase makes
+    (``build_schedule_arrays``), each run's samples numbered from 0."""
+    root, values, config, result = built
     two_rank_build(values, tmp_path, build_key=result.build_key, cache_dir=root / "cache")
+    if config.mode == "exact":
+        key = result.plan.splits[0].blend_key
+        cache = Cache(str(tmp_path / "two"))
+        for name, array in build_schedule_arrays(result.plan.item(key).params).items():
+            assert np.array_equal(cache.open_array(key, name), array), name
+
+
+def test_any_ranges_of_the_blend_settle_into_the_one_process_arrays(built, tmp_path):
+    """Exact mode: the schedule's blend divided into ranges anywhere (inside a phase, across a
+    change of length, empty), settled and made final as a divided build does (each run's ids and
+    numbering from the column tables), is the one-process greedy's arrays."""
+    from test_build_schedule_exact import _divided_in_one_process
+    from tokenloom.builder.exact import schedule_greedy
+
+    _, _, config, result = built
+    if config.mode != "exact":
+        pytest.skip("a stateless schedule has no blend arrays to divide")
+    params = result.plan.item(result.plan.splits[0].blend_key).params
+    expected, greedy = build_schedule_arrays(params), schedule_greedy(params)
+    size = greedy.size
+    for bounds, block in [([0, 700, size], 64), ([0, 640, 960, size], 100), ([0, 0, 1000, size, size], 7),
+                          ([0, 333, 901, 1111, size], 50)]:
+        dataset_index, sample_index, _ = _divided_in_one_process(greedy, bounds, block, tmp_path / "pack.bin")
+        assert np.array_equal(dataset_index, expected["dataset_index"]), bounds
+        assert np.array_equal(sample_index, expected["dataset_sample_index"]), bounds
 
 
 @pytest.mark.parametrize("changes, key", [
-    ({"mode": "exact"}, "mode: exact"),
     ({"packing": "best_fit"}, "packing: best_fit"),
     ({"headroom": 0.1}, "headroom"),
 ])

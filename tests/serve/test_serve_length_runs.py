@@ -22,9 +22,9 @@ SEQ, LONG, G = 16, 32, 24
 OPTIONS = SampleOptions(eod_mask_loss=True, reset_position_ids=True)
 
 
-@pytest.fixture(scope="module")
-def split(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-length-runs")
+@pytest.fixture(scope="module", params=["stateless", "exact"])
+def split(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(f"serve-length-runs-{request.param}")
     store0, store1, store2 = write_corpus(root, 3, seed=31, num_documents=60)
     phases = [  # store0 changes length twice; store2 only in the long phase
         {"blend": ["1", store0, "1", store1], "until": {"steps": 4}},
@@ -32,7 +32,7 @@ def split(tmp_path_factory):
         {"blend": ["1", store0, "1", store1], "until": {"steps": 12}},
     ]
     config = {"phases": phases, "split": "100,0,0", "seq_length": SEQ, "global_batch_size": G, "valid_samples": 0,
-              "test_samples": 0, "seed": 7, "mode": "stateless", "cache_dir": str(root / "cache"),
+              "test_samples": 0, "seed": 7, "mode": request.param, "cache_dir": str(root / "cache"),
               "rng_workers": 0, "timeout_s": 60.0}
     return tokenloom.build(config).split("train")
 
@@ -154,8 +154,11 @@ def test_a_quarantine_keeps_every_step_at_one_width_and_resumes_alike(split):
 
     widths, served = rest(loader)
     assert all(len(w) == 1 for w in widths) and set().union(*widths) == {SEQ, LONG}
-    (begin, end), = loader.stream.skips  # the old phase's samples of the straddling step
+    skips = loader.stream.skips  # the old phase's samples of the straddling step (around a quarantined one)
+    begin, end = skips[0][0], skips[-1][1]
     assert end == split.schedule.plan.boundaries[1] and 0 < end - begin < G
+    gone = {p for a, b in skips for p in range(a, b)} | set(loader.stream.quarantined.tolist())
+    assert set(range(begin, end)) <= gone
     again = RankLoader(split, BatchGeometry(global_batch_size=G, micro_batch_size=8, dp=1))
     again.load_state_dict(state)
     np.testing.assert_array_equal(rest(again)[1], served)

@@ -33,6 +33,7 @@ from tokenloom.builder.schedule import (
     plan_phases,
     read_max_epochs,
     read_phases,
+    run_counts,
     train_steps,
     union_stores,
 )
@@ -372,13 +373,12 @@ class BuildConfig:
         for k, phase in enumerate(phases, 1):
             if phase.seq_length is None or phase.seq_length == self.seq_length:
                 continue
-            if self.mode != "stateless" or self.packing != "concat":
+            if self.packing != "concat":
                 raise ConfigError(
                     f"phase {k}: seq_length: {phase.seq_length} differs from the build's seq_length "
-                    f"{self.seq_length}; a phase of another sequence length is built in stateless mode with "
-                    f"concatenated samples (FORMAT.md 'Length runs'), not yet with mode: {self.mode} and "
-                    f"packing: {self.packing}: drop seq_length from phase {k} or use mode: stateless, "
-                    "packing: concat")
+                    f"{self.seq_length}; a phase of another sequence length is built with concatenated "
+                    f"samples (FORMAT.md 'Length runs'), not yet with packing: {self.packing}: drop seq_length "
+                    f"from phase {k} or use packing: concat")
             if self.headroom:
                 raise ConfigError(
                     f"phase {k}: seq_length: {phase.seq_length} with headroom; a store whose sequence length "
@@ -440,7 +440,7 @@ class BuildConfig:
         text = format_schedule(plan, union.spelt(), prefixes=union.prefixes, samples_per_epoch=samples_per_epoch,
                                seq_length=int(self.seq_length))
         if has_length_runs(plan, int(self.seq_length)):
-            text += "\n" + format_length_runs(plan, union.spelt())
+            text += "\n" + format_length_runs(plan, union.spelt(), run_counts(plan, self.mode))
         if self.headroom:
             cap = "" if self.max_epochs is None else ", never past max_epochs"
             buffer = " (exact mode: megatron-core's buffer over it)" if self.mode == "exact" else ""

@@ -254,7 +254,7 @@ def _compute_and_write(ctx: DividedContext, item: WorkItem, bounds, greedy: Mega
         offsets = None
         if schedule:
             offsets = _schedule_offsets(ctx, item, greedy, windows, ends)
-            check_schedule_draws(offsets, item.params["schedule"]["served"], item.params["dataset_lengths"])
+            check_schedule_draws(offsets, greedy.split_ids, greedy.run_start, item.params["dataset_lengths"])
         else:
             counts = runs[-1].end_counts  # (D,) samples the blend draws from each dataset
             lengths = np.asarray(item.params["dataset_lengths"], dtype=np.int64)

@@ -20,12 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.builder.schedule import schedule_plan_of
+from tokenloom.builder.schedule import run_counts, schedule_columns, schedule_plan_of
 from tokenloom.errors import BuildError
-from tokenloom.index.epochs import EpochPlan, plan_epochs
-from tokenloom.index.megatron_blend import megatron_blend, megatron_exhaustive_blend
+from tokenloom.index.epochs import EpochPlan, plan_epochs, plan_run_epochs
+from tokenloom.index.megatron_blend import megatron_blend, megatron_dataset_id_dtype, megatron_exhaustive_blend
 from tokenloom.index.megatron_gpt import build_document_index, build_sample_index, build_shuffle_index
-from tokenloom.index.schedule_exact import ScheduleGreedy, exact_phase_blends, plan_exact_phases
+from tokenloom.index.megatron_runs import build_run_sample_index, build_run_shuffle_index, build_run_stream
+from tokenloom.index.schedule_exact import (
+    ScheduleGreedy,
+    exact_phase_blends,
+    plan_exact_phases,
+    run_draws,
+    split_tables,
+)
 from tokenloom.index.split import DocumentRange, document_ids
 from tokenloom.io import IndexedDataset
 
@@ -39,8 +46,13 @@ SMALL_BLEND_SAMPLES = 4_000
 
 
 def plan_gpt(store: IndexedDataset, params: Mapping[str, Any]) -> EpochPlan:
-    """The epoch plan of a ``gpt`` item (megatron-core's arithmetic)."""
+    """The epoch plan of a ``gpt`` item (megatron-core's arithmetic; a length run's, for a run)."""
     ids = document_ids(DocumentRange(params["begin"], params["end"]))
+    if "first_token" in params:
+        tokens = int(np.asarray(store.sequence_lengths[params["begin"]:params["end"]]).sum(dtype=np.int64))
+        return plan_run_epochs(tokens, ids.shape[0], first_token=params["first_token"],
+                               num_samples=params["num_samples"], seq_length=params["seq_length"],
+                               add_extra_token=params["add_extra_token"])
     return plan_epochs(store.sequence_lengths, ids, num_samples=params["num_samples"],
                        seq_length=params["seq_length"], add_extra_token=params["add_extra_token"],
                        drop_last_partial=params["drop_last_partial"])
@@ -60,6 +72,10 @@ def draw_shuffles(prefix: str, params: Mapping[str, Any], store: IndexedDataset 
         plan = plan_gpt(IndexedDataset(prefix) if store is None else store, params)
     random_state = np.random.RandomState(params["seed"])
     ids = document_ids(DocumentRange(params["begin"], params["end"]))
+    if "first_token" in params:  # a length run: its store's whole stream, then its own shuffle
+        stream = build_run_stream(ids, plan, params["stream_epochs"], random_state)  # (epochs * docs,) int32
+        return plan, stream, build_run_shuffle_index(plan.num_samples_in_index, seed=params["seed"],
+                                                     first_token=params["first_token"])
     document_index = build_document_index(ids, plan, random_state)  # (epochs * docs,) int32
     shuffle_index = build_shuffle_index(plan, plan.num_samples_in_index, random_state)  # (S,)
     return plan, document_index, shuffle_index
@@ -86,7 +102,11 @@ def build_gpt_arrays(prefix: str, params: Mapping[str, Any],
     if compiled is None:
         compiled = document_index.shape[0] >= SMALL_WALK_POSITIONS
     kernel = None if compiled else "numpy"
-    sample_index = build_sample_index(lengths, document_index, plan, kernel=kernel)  # (S + 1, 2)
+    if "first_token" in params:  # a length run: its slice of the stream, walked from its first token
+        document_index, sample_index = build_run_sample_index(lengths, document_index, plan, params["first_token"],
+                                                              kernel=kernel)
+    else:
+        sample_index = build_sample_index(lengths, document_index, plan, kernel=kernel)  # (S + 1, 2)
     if sample_index.shape[0] - 1 != shuffle_index.shape[0]:
         raise BuildError(
             f"{prefix}: the sample walk made {sample_index.shape[0] - 1} samples but the plan promised "
@@ -129,45 +149,69 @@ def build_schedule_arrays(params: Mapping[str, Any], *, threads: int = 1) -> dic
     :mod:`tokenloom.builder.divided`); this is their one-process reference.
 
     ``dataset_index`` ``(N,)`` int16 (int32 from 32767 datasets) numbers the split's datasets
-    (the schedule's ``served``, in the split's order), as megatron-core's does; ``dataset_sample_index``
-    ``(N,)`` int64 has each phase's offsets added, so every dataset's samples run on across the
-    phases (``0..total - 1``, none twice). BuildError where the greedy draws more of a dataset
-    than its index holds (megatron-core fails on its last phase's overshoot there too)."""
+    (the schedule's ``served``, in the split's order, or their length runs, ``columns``), as
+    megatron-core's does; ``dataset_sample_index`` ``(N,)`` int64 has each phase's offsets added, so
+    every dataset's samples run on across the phases (``0..total - 1``, none twice; a length run's
+    from its first phase). BuildError where the greedy draws more of a dataset than its index holds
+    (megatron-core fails on its last phase's overshoot there too)."""
     plan = schedule_plan_of(params["schedule"])
-    served = np.asarray(params["schedule"]["served"], dtype=np.int64)  # (D_split,) union ids
     blends = exact_phase_blends(plan, backend="python" if plan.num_samples < SMALL_BLEND_SAMPLES else "auto",
                                 threads=threads)
-    check_schedule_draws(blends.offsets, served, params["dataset_lengths"])
-    local = np.full(plan.num_datasets, -1, dtype=np.int64)  # (D_union,) the split's id of each
-    local[served] = np.arange(served.size, dtype=np.int64)
-    dtype = blends.dataset_index[0].dtype
-    dataset_index = np.concatenate([local[d].astype(dtype) for d in blends.dataset_index])  # (N,)
-    dataset_sample_index = np.concatenate([s + blends.offsets[k, d.astype(np.int64)] for k, (d, s) in
-                                           enumerate(zip(blends.dataset_index, blends.dataset_sample_index))])
+    split_ids, run_start = split_tables(plan.num_phases, plan.num_datasets, params["schedule"]["served"],
+                                        schedule_runs(params, plan))
+    check_schedule_draws(blends.offsets, split_ids, run_start, params["dataset_lengths"])
+    dtype = megatron_dataset_id_dtype(max(plan.num_datasets, len(params["dataset_lengths"])))
+    dataset_index = np.concatenate([split_ids[k, d].astype(dtype) for k, d in enumerate(blends.dataset_index)])
+    every = np.arange(plan.num_datasets)
+    dataset_sample_index = np.concatenate([  # each phase's samples numbered on within its run
+        s + (blends.offsets[k] - blends.offsets[run_start[k], every])[d.astype(np.int64)]
+        for k, (d, s) in enumerate(zip(blends.dataset_index, blends.dataset_sample_index))])
     return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index.astype(np.int64)}
+
+
+def schedule_runs(params: Mapping[str, Any], plan) -> list[tuple[int, tuple[int, ...]]] | None:
+    """The split's datasets of an exact schedule item as ``(store, phases)`` when they are length
+    runs (its params carry ``columns``), cut again from the plan; None when they are its stores.
+    BuildError when they are not the runs recorded."""
+    recorded = params["schedule"].get("columns")
+    if recorded is None:
+        return None
+    columns = schedule_columns(plan, params["schedule"]["served"], run_counts(plan, "exact"))
+    if [c.to_list() for c in columns] != [list(c) for c in recorded]:
+        raise BuildError(f"the schedule's length runs cut again are {[c.to_list() for c in columns]}, not the "
+                         f"recorded {recorded}; the cache entry was made by another version: build again")
+    return [(c.store, c.phases) for c in columns]
 
 
 def schedule_greedy(params: Mapping[str, Any]) -> ScheduleGreedy:
     """The greedies of an exact schedule's blend item (its params carry ``schedule``) as one run
     a divided build computes range by range: the plan recorded in the params, planned again."""
     plan = schedule_plan_of(params["schedule"])
-    return ScheduleGreedy(plan_exact_phases(plan), params["schedule"]["served"])
+    return ScheduleGreedy(plan_exact_phases(plan), params["schedule"]["served"], columns=schedule_runs(params, plan))
 
 
-def check_schedule_draws(offsets: np.ndarray, served, dataset_lengths) -> None:
+def check_schedule_draws(offsets: np.ndarray, split_ids: np.ndarray, run_start: np.ndarray, dataset_lengths) -> None:
     """BuildError when a schedule's greedies draw more of a dataset than its index holds, naming
-    the dataset (the union's id) and the first phase that overdraws. ``offsets``: ``(P + 1, D)``
-    the union's samples before each phase; ``dataset_lengths``: the split's stores' index sizes
-    in ``served``'s order."""
-    lengths = np.zeros(offsets.shape[1], dtype=np.int64)  # (D_union,) 0 for a dataset the split skips
-    lengths[np.asarray(served, dtype=np.int64)] = np.asarray(dataset_lengths, dtype=np.int64)
-    over = np.flatnonzero(offsets[-1] > lengths)
+    the dataset (the union's id; a length run's phases and its id in the split) and the first
+    phase that overdraws. ``offsets``:
+    ``(P + 1, D)`` the union's samples before each phase; ``split_ids``, ``run_start``:
+    :func:`~tokenloom.index.schedule_exact.split_tables`; ``dataset_lengths``: the split's
+    datasets' index sizes."""
+    lengths = np.asarray(dataset_lengths, dtype=np.int64)
+    drawn = run_draws(offsets, split_ids, run_start)
+    over = np.flatnonzero(drawn > lengths[:drawn.shape[0]])
     if over.size:
-        d = int(over[0])
-        k = int(np.argmax(offsets[1:, d] > lengths[d]))  # the first phase that overdraws
-        raise BuildError(f"the schedule's greedy draws {int(offsets[k + 1, d])} samples of dataset {d} by "
-                         f"the end of phase {k + 1}, whose index holds only {int(lengths[d])}; raise "
-                         "mid_level_dataset_surplus (megatron-core fails here too)")
+        c = int(over[0])
+        phases, stores = np.nonzero(split_ids == c)
+        d = int(stores[0])
+        by_phase = offsets[phases + 1, d] - offsets[run_start[phases[0], d], d]  # drawn by the end of each
+        k = int(phases[int(np.argmax(by_phase > lengths[c]))])
+        runs = np.unique(split_ids[:, d][split_ids[:, d] >= 0])
+        run = "" if runs.shape[0] < 2 else \
+            f" in its length run of phases {phases[0] + 1}..{phases[-1] + 1} (the split's dataset {c})"
+        raise BuildError(f"the schedule's greedy draws {int(by_phase.max())} samples of dataset {d}{run} by the end of "
+                         f"phase {k + 1}, whose index holds only {int(lengths[c])}; raise mid_level_dataset_surplus "
+                         "(megatron-core fails here too)")
 
 
 def plan_to_dict(plan: EpochPlan) -> dict[str, Any]:
@@ -269,4 +313,5 @@ def drawer_main() -> None:
 
 
 __all__ = ["ShuffleDrawer", "build_blend_arrays", "build_gpt_arrays", "build_schedule_arrays",
-           "check_schedule_draws", "draw_shuffles", "plan_from_dict", "plan_gpt", "plan_to_dict", "schedule_greedy"]
+           "check_schedule_draws", "draw_shuffles", "plan_from_dict", "plan_gpt", "plan_to_dict", "schedule_greedy",
+           "schedule_runs"]

@@ -45,11 +45,12 @@ from tokenloom.builder.cost_model import (
 )
 from tokenloom.builder.megatron_names import MegatronName, blend_name, gpt_identifiers, gpt_name
 from tokenloom.builder.packs import CACHE_FORMAT_VERSION
-from tokenloom.builder.schedule import epoch_room, has_length_runs, schedule_blend_params, schedule_columns
+from tokenloom.builder.schedule import epoch_room, has_length_runs, run_counts, schedule_blend_params, schedule_columns
 from tokenloom.builder.stores import StoreInfo
 from tokenloom.errors import BuildError, ConfigError
 from tokenloom.index.blend_spec import megatron_normalize
 from tokenloom.index.epochs import EpochPlan, plan_epochs, plan_run_epochs
+from tokenloom.index.megatron_runs import stream_epochs_for
 from tokenloom.index.schedule_exact import exact_buffers, plan_exact_phases
 from tokenloom.index.split import SPLIT_NAMES, split_document_ranges
 from tokenloom.source.keys import hash_key
@@ -201,9 +202,9 @@ PackSamples = Mapping[str, int]
 
 def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int, end: int,
               num_samples: int | None, pack_samples: PackSamples | None = None, *,
-              run: tuple[int, int] | None = None) -> WorkItem:
-    """The index of one store's split: ``run`` ``(seq_length, first_token)`` makes it one length
-    run of a schedule (stateless concat only; FORMAT.md "Length runs"), else the build's."""
+              run: Run = None) -> WorkItem:
+    """The index of one store's split: ``run`` ``(seq_length, first_token, stream_tokens)`` makes it
+    one length run of a schedule (concatenated samples; FORMAT.md "Length runs"), else the build's."""
     split = SPLIT_NAMES[split_index]
     if config.packing == "best_fit":
         return _best_fit_gpt_item(config, info, split, begin, end, num_samples, pack_samples)
@@ -239,7 +240,16 @@ def _gpt_item(config: BuildConfig, info: StoreInfo, split_index: int, begin: int
     if run is not None and run[1] is not None:  # keyed only on a run: every other key stays as it was
         params["first_token"] = run[1]
     megatron = None
-    if config.mode == "exact":
+    if config.mode == "exact" and "first_token" in params:  # megatron's rules on a cut of one stream
+        params["stream_epochs"] = stream_epochs_for(tokens, run[2])
+        positions = min(params["stream_epochs"] * num_documents,
+                        (samples * seq_length + 1) * num_documents // tokens + 2)  # the run's slice, about
+        sample_row_bytes = 4 if positions <= np.iinfo(np.int32).max else 8
+        shuffle_bytes = 4 if samples < np.iinfo(np.uint32).max - 1 else 8
+        output_bytes = 4 * positions + 2 * sample_row_bytes * (samples + 1) + shuffle_bytes * samples
+        # the stream's shuffle is every epoch's documents, as a whole index's is
+        cost = gpt_cost(params["stream_epochs"] * num_documents, samples, output_bytes)
+    elif config.mode == "exact":
         sample_row_bytes = 4 if positions <= np.iinfo(np.int32).max else 8
         shuffle_bytes = 4 if samples < np.iinfo(np.uint32).max - 1 else 8
         output_bytes = 4 * positions + 2 * sample_row_bytes * (samples + 1) + shuffle_bytes * samples
@@ -339,7 +349,7 @@ def _schedule_item(config: BuildConfig, prefixes, datasets: list[WorkItem]) -> W
     plan = config.schedule_plan()
     column = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
     served = [column[prefix] for prefix in prefixes]
-    schedule = schedule_blend_params(plan, served, int(config.seq_length))
+    schedule = schedule_blend_params(plan, served, int(config.seq_length), run_counts(plan, config.mode))
     # the split's datasets are its stores, or their length runs (schedule["columns"])
     weights = [float(plan.totals[d]) for d in served] if "columns" not in schedule else \
         [float(column[-1]) for column in schedule["columns"]]
@@ -366,24 +376,38 @@ def _identifiers_of(item: WorkItem):
     return item.megatron.identifiers
 
 
-Run = tuple[int, int | None] | None
-"""A dataset of a split that is a schedule's length run: ``(seq_length, first_token)``; None for
-the build's index of the store."""
+Run = tuple[int, int | None, int | None] | None
+"""A dataset of a split that is a schedule's length run: ``(seq_length, first_token,
+stream_tokens)`` (``stream_tokens``: exact mode, a store of several runs, the tokens its runs read
+in all); None for the build's index of the store."""
 
 
 def _split_datasets(config: BuildConfig, blend, split_index: int, size: int | None,
                     infos: Mapping[str, StoreInfo]) -> list[tuple[str, int | None, Run]]:
     """A split's datasets as ``(prefix, num_samples, run)``: one per store of ``blend``
     (:func:`_dataset_sizes`), except the train split of a schedule that changes the sequence
-    length, whose datasets are its stores' length runs (:func:`~tokenloom.builder.schedule.schedule_columns`)."""
+    length, whose datasets are its stores' length runs (:func:`~tokenloom.builder.schedule.schedule_columns`).
+    In exact mode a run holds megatron's targets of its phases and a store's last run megatron's
+    buffer over them (so a store of one run is sized as without runs); every run of a store of
+    several cuts one stream of the epochs they reach in all (``stream_tokens``)."""
     plan = config.schedule_plan() if _is_schedule(config, split_index) else None
-    if has_length_runs(plan, int(config.seq_length)):
-        union = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
-        columns = schedule_columns(plan, [union[prefix] for prefix in blend.prefixes])
-        prefixes = config.schedule_stores.prefixes
-        return [(prefixes[c.store], c.samples, (c.seq_length, c.first_token)) for c in columns]
-    sizes = _dataset_sizes(config, blend, split_index, size, infos)
-    return [(prefix, n, None) for prefix, n in zip(blend.prefixes, sizes)]
+    if not has_length_runs(plan, int(config.seq_length)):
+        sizes = _dataset_sizes(config, blend, split_index, size, infos)
+        return [(prefix, n, None) for prefix, n in zip(blend.prefixes, sizes)]
+    union = {prefix: d for d, prefix in enumerate(config.schedule_stores.prefixes)}
+    columns = schedule_columns(plan, [union[prefix] for prefix in blend.prefixes], run_counts(plan, config.mode))
+    prefixes = config.schedule_stores.prefixes
+    sizes = [c.samples for c in columns]
+    if config.mode == "exact":  # a store's last run: megatron's buffer over its targets
+        for c, column in enumerate(columns):
+            if c + 1 == len(columns) or columns[c + 1].store != column.store:
+                sizes[c] = math.ceil(column.samples * (1 + config.mid_level_dataset_surplus))
+    reach: dict[int, int] = {}  # store -> the stream tokens its runs read in all (exact mode)
+    for column, n in zip(columns, sizes):
+        if config.mode == "exact" and column.first_token is not None:
+            reach[column.store] = column.first_token + n * column.seq_length + int(config.add_extra_token)
+    return [(prefixes[c.store], n, (c.seq_length, c.first_token, reach.get(c.store)))
+            for c, n in zip(columns, sizes)]
 
 
 def _dataset_sizes(config: BuildConfig, blend, split_index: int, size: int | None,

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from tokenloom.builder.best_fit import open_index as open_best_fit_index
 from tokenloom.builder.cache import Cache
 from tokenloom.builder.items import BuildPlan, SplitPlan, WorkItem
+from tokenloom.builder.schedule import run_counts
 from tokenloom.builder.stateless import open_stateless_gpt_index, schedule_plan, stateless_blend
 from tokenloom.errors import ConfigError
 from tokenloom.index.best_fit_index import BestFitIndex, BestFitPlan
@@ -136,7 +137,9 @@ class BuildResult:
         schedule = None
         if split.blend_key is not None and "schedule" in self._items[split.blend_key].params:
             params = self._items[split.blend_key].params
-            schedule = ScheduleLocator(*schedule_plan(params), columns=params["schedule"].get("columns"))
+            plan, served = schedule_plan(params)
+            counts = None if "columns" not in params["schedule"] else run_counts(plan, self.mode)
+            schedule = ScheduleLocator(plan, served, columns=params["schedule"].get("columns"), counts=counts)
         if split.blend_key is None:
             locator = DirectLocator(split.num_samples)
         elif self.mode == "stateless" and schedule is not None:

@@ -41,6 +41,7 @@ from tokenloom.index.schedule import (
     parse_schedule,
     plan_schedule,
 )
+from tokenloom.index.schedule_exact import plan_exact_phases
 from tokenloom.validate import check_positive_int, is_number
 
 #: The keys a phase of a config's ``phases`` takes.
@@ -325,11 +326,22 @@ class ScheduleColumn:
         return [self.store, self.seq_length, self.first_token, self.begin, self.samples]
 
 
-def schedule_columns(plan: SchedulePlan, served: Sequence[int]) -> list[ScheduleColumn]:
+def run_counts(plan: SchedulePlan, mode: str = "stateless") -> np.ndarray:
+    """``(P, D)`` int64: the samples each phase takes of each store of the union, as a store's
+    length runs are cut and numbered: the plan's exact counts (stateless), or megatron's targets
+    of each phase's greedy, ``ceil(S_k w_kd)`` (exact: its greedy draws at most these, so every
+    phase where a store has weight belongs to one of its runs, and a run holds its phases' targets)."""
+    if mode == "exact":
+        return np.stack([phase.targets for phase in plan_exact_phases(plan)]).astype(np.int64)
+    return plan.counts
+
+
+def schedule_columns(plan: SchedulePlan, served: Sequence[int],
+                     counts: np.ndarray | None = None) -> list[ScheduleColumn]:
     """The train split's datasets of a schedule: each store of ``served`` (union ids, in the
-    split's order) as its length runs, in order. With one sequence length throughout, one column
-    per store."""
-    runs = length_runs(plan.counts, plan.seq_lengths)
+    split's order) as its length runs, in order, cut by ``counts`` (:func:`run_counts`; default the
+    plan's). With one sequence length throughout, one column per store."""
+    runs = length_runs(plan.counts if counts is None else counts, plan.seq_lengths)
     out = []
     for d in served:
         begin = token = 0
@@ -349,10 +361,11 @@ def has_length_runs(plan: SchedulePlan | None, seq_length: int) -> bool:
     return plan is not None and any(int(s) != int(seq_length) for s in plan.seq_lengths)
 
 
-def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
+def format_length_runs(plan: SchedulePlan, names: Sequence[str], counts: np.ndarray | None = None) -> str:
     """The dry run's length runs: for each store whose sequence length changes, each run's phases,
-    sequence length, samples and the stream token it starts at (FORMAT.md "Length runs")."""
-    columns = schedule_columns(plan, range(plan.num_datasets))
+    sequence length, samples and the stream token it starts at (FORMAT.md "Length runs"; ``counts``:
+    :func:`run_counts` of the build's mode)."""
+    columns = schedule_columns(plan, range(plan.num_datasets), counts)
     several = [c for c in columns if c.first_token is not None]
     if not several:
         return (f"length runs: none (every store keeps one seq_length; the train split's samples have "
@@ -366,20 +379,21 @@ def format_length_runs(plan: SchedulePlan, names: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def schedule_blend_params(plan: SchedulePlan, served: Sequence[int], seq_length: int) -> dict[str, Any]:
+def schedule_blend_params(plan: SchedulePlan, served: Sequence[int], seq_length: int,
+                          counts: np.ndarray | None = None) -> dict[str, Any]:
     """What the train split's blend item of a stateless schedule build hashes and rebuilds its
     plan from (:func:`schedule_plan_of`): each phase's weights over the union, its ramp and
     sequence length, the boundaries, the batch-size steps, the exact counts ``(P, D)``, and
     ``served``, the union's datasets the split reads (those with samples), in the split's order;
     with phases of several sequence lengths also ``columns``, the split's datasets as
-    :func:`schedule_columns` gives them."""
+    :func:`schedule_columns` gives them, cut by ``counts`` (:func:`run_counts` of the build's mode)."""
     phases = [{"weights": list(phase.weights), "ramp": phase.ramp, "seq_length": seq}
               for phase, seq in zip(plan.schedule.phases, plan.seq_lengths)]
     params = {"phases": phases, "boundaries": list(plan.boundaries),
               "batch_steps": [list(step) for step in plan.batch_steps],
               "counts": plan.counts.tolist(), "served": [int(d) for d in served]}
     if has_length_runs(plan, seq_length):  # keyed only where it says more than served (keys stay as they were)
-        params["columns"] = [column.to_list() for column in schedule_columns(plan, served)]
+        params["columns"] = [column.to_list() for column in schedule_columns(plan, served, counts)]
     return params
 
 
@@ -413,6 +427,7 @@ __all__ = [
     "plan_phases",
     "read_max_epochs",
     "read_phases",
+    "run_counts",
     "schedule_blend_params",
     "schedule_columns",
     "schedule_plan_of",

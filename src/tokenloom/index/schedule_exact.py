@@ -52,7 +52,7 @@ from tokenloom.index.phase_order import RampSplit
 from tokenloom.index.schedule import SchedulePlan
 
 __all__ = ["ExactPhase", "ExactPhaseBlends", "GreedyPart", "ScheduleGreedy", "exact_buffers",
-           "exact_phase_blends", "phase_offsets", "plan_exact_phases"]
+           "exact_phase_blends", "phase_offsets", "plan_exact_phases", "run_draws", "split_tables"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -219,6 +219,34 @@ def exact_phase_blends(plan: SchedulePlan, *, backend: str = "auto", threads: in
                             dataset_sample_index=tuple(s for _, s in built), counts=counts, offsets=offsets)
 
 
+def split_tables(num_phases: int, num_datasets: int, served, columns=None) -> tuple[np.ndarray, np.ndarray]:
+    """Where each (phase, union dataset)'s samples go in the split: ``(split_ids, run_start)``,
+    ``(P, D)`` int64 each. Without ``columns`` the split's datasets are ``served`` (union ids, in
+    the split's order) and every dataset numbers on from phase 0. With ``columns``, ``(store,
+    phases)`` per dataset of the split (a store's length runs, FORMAT.md "Length runs"), phase ``k``'s
+    samples of store ``d`` go to the run holding ``k``, numbered from that run's first phase
+    (``run_start``), so each run counts ``0..n - 1``; -1 where the split has none."""
+    split_ids = np.full((num_phases, num_datasets), -1, dtype=np.int64)
+    run_start = np.zeros((num_phases, num_datasets), dtype=np.int64)
+    if columns is None:
+        split_ids[:, np.asarray(served, dtype=np.int64)] = np.arange(len(served), dtype=np.int64)
+        return split_ids, run_start
+    for c, (d, phases) in enumerate(columns):
+        phases = np.asarray(phases, dtype=np.int64)
+        split_ids[phases, d], run_start[phases, d] = c, phases[0]
+    return split_ids, run_start
+
+
+def run_draws(offsets: np.ndarray, split_ids: np.ndarray, run_start: np.ndarray) -> np.ndarray:
+    """``(datasets of the split,)`` int64: the samples the greedies draw of each, from the union's
+    ``offsets`` ``(P + 1, D)`` and :func:`split_tables`."""
+    num = int(split_ids.max()) + 1 if split_ids.size else 0
+    out = np.zeros(max(num, 0), dtype=np.int64)
+    phases, datasets = np.nonzero(split_ids >= 0)
+    np.add.at(out, split_ids[phases, datasets], offsets[phases + 1, datasets] - offsets[phases, datasets])
+    return out
+
+
 def phase_offsets(counts: np.ndarray) -> np.ndarray:
     """``(P + 1, D)`` int64: each dataset's samples before each phase, from the ``(P, D)`` samples
     of each phase; the last row its totals."""
@@ -299,7 +327,7 @@ class ScheduleGreedy:
     over the phase (a ramp's two greedies merged) plus the phase's offsets.
     """
 
-    def __init__(self, phases: tuple[ExactPhase, ...], served, *, backend: str = "auto",
+    def __init__(self, phases: tuple[ExactPhase, ...], served, *, columns=None, backend: str = "auto",
                  allow_beyond_megatron: bool = False) -> None:
         self.phases = phases
         self.num_datasets = phases[0].num_datasets
@@ -312,17 +340,22 @@ class ScheduleGreedy:
         self._greedies = [tuple(MegatronGreedy.for_weights(np.array(part.weights, dtype=np.float64), backend=backend,
                                                            allow_beyond_megatron=allow_beyond_megatron)
                                 for part in phase.parts) for phase in phases]
-        split_ids = np.full(self.num_datasets, -1, dtype=np.int64)  # (D,) the split's id of each union dataset
-        split_ids[np.asarray(served, dtype=np.int64)] = np.arange(len(served), dtype=np.int64)
-        self._split_ids = split_ids.astype(self.dataset_id_dtype)
+        # (P, D) the split's id of each union dataset in each phase, and the phase its numbering starts
+        # from (a length run's first; ``columns``: :func:`split_tables`)
+        self.split_ids, self.run_start = split_tables(len(phases), self.num_datasets, served, columns)
+        """``(P, D)`` int64 each: :func:`split_tables` of the split's datasets."""
+        self._num_ids = max(self.num_datasets, int(self.split_ids.max()) + 1)
+        self._split_ids = self.split_ids.astype(self.dataset_id_dtype)
+        self._every = np.arange(self.num_datasets)
         self._kernels = _KERNELS[resolve_backend(backend, _KERNELS, fallback="python")]
         self._no_flags = np.zeros(0, dtype=np.bool_)
         self._no_before = np.zeros(0, dtype=np.int64)
 
     @property
     def dataset_id_dtype(self) -> np.dtype:
-        """The stored ids' dtype: the union's, as :meth:`GreedyPart.build` gives it."""
-        return megatron_dataset_id_dtype(self.num_datasets)
+        """The stored ids' dtype: the union's, as :meth:`GreedyPart.build` gives it (or the split's
+        length runs', where they are more)."""
+        return megatron_dataset_id_dtype(self._num_ids)
 
     def phase_of(self, position: int) -> int:
         """The phase holding ``position`` (the last phase for the blend's end)."""
@@ -429,12 +462,13 @@ class ScheduleGreedy:
                 break
             dataset, sample = out_dataset[lo - start:hi - start], out_sample[lo - start:hi - start]
             parts = self.phases[k].parts
+            shift = offsets[k] - offsets[self.run_start[k], self._every]  # (D,) samples before, in its run
+            split_ids = self._split_ids[k]
             if len(parts) == 1:  # the greedy's own numbering is the phase's
                 datasets = parts[0].datasets
-                if offsets[k, datasets].any() or not np.array_equal(self._split_ids[datasets],
-                                                                    np.arange(datasets.shape[0])):
+                if shift[datasets].any() or not np.array_equal(split_ids[datasets], np.arange(datasets.shape[0])):
                     self._kernels.finish(dataset, sample, self._no_flags, datasets, datasets, False,
-                                         self._no_before, offsets[k], self._split_ids)
+                                         self._no_before, shift, split_ids)
                     changed = True
                 continue
             # a ramp: number each dataset's samples over both greedies' slots, from the state at lo
@@ -444,6 +478,6 @@ class ScheduleGreedy:
             for part, part_counts in zip(parts, self._split_state(k, state)):
                 before[part.datasets] += part_counts
             self._kernels.finish(dataset, sample, is_to, parts[0].datasets, parts[1].datasets, True, before,
-                                 offsets[k], self._split_ids)
+                                 shift, split_ids)
             changed = True
         return changed

@@ -134,11 +134,16 @@ class ScheduleLocator:
     the split's and back. A schedule that changes the sequence length reads each store as its
     length runs (FORMAT.md "Length runs"): ``columns`` then gives the split's datasets as ``(store,
     seq_length, first_token, begin, samples)`` rows (``builder.schedule.ScheduleColumn``), and a
-    store's sample ``s`` of the plan is sample ``s - begin`` of the run holding it."""
+    store's sample ``s`` of the plan is sample ``s - begin`` of the run holding it. In exact mode the
+    runs hold megatron's targets of their phases, not the plan's counts (``counts``, ``(P, D)``: what
+    the columns number); the blend's arrays then locate positions, and this locator gives the
+    schedule's phases, widths and targets only."""
 
     def __init__(self, plan: SchedulePlan, datasets: Sequence[int] | None = None,
-                 columns: Sequence[Sequence[int | None]] | None = None) -> None:
+                 columns: Sequence[Sequence[int | None]] | None = None, counts: np.ndarray | None = None) -> None:
         self.plan = plan
+        self._counts = plan.counts if counts is None else np.asarray(counts, dtype=np.int64)
+        self._closed_form = counts is None or np.array_equal(self._counts, plan.counts)
         union = plan.num_datasets
         # ids: (split datasets,) the plan's id of each; local: (union,) the split's id, -1 if unread
         self._ids = np.arange(union, dtype=np.int64) if datasets is None else np.asarray(datasets, dtype=np.int64)
@@ -175,17 +180,19 @@ class ScheduleLocator:
                 raise ConfigError(f"length-run column {c} of store {d} covers its samples [{b}, {b + n}); expected a "
                                   f"run of at least one sample starting at {ends.get(d, 0)}, where its last run ended")
             ends[d] = b + n
-        short = [d for d in ends if ends[d] != int(plan.totals[d])]
+        totals = self._counts.sum(axis=0)  # (union,) what the columns number of each store
+        cumulative = np.cumsum(self._counts, axis=0) - self._counts  # (P, union) numbered before each phase
+        short = [d for d in ends if ends[d] != int(totals[d])]
         if short:
             d = short[0]
             raise ConfigError(f"the length runs of store {d} hold {ends[d]} samples but the schedule takes "
-                              f"{int(plan.totals[d])} of it; expected runs covering exactly its samples")
+                              f"{int(totals[d])} of it; expected runs covering exactly its samples")
         # column of (phase, store): the run holding the store's first sample of the phase (its
         # last run once it has served them all), so each phase's weights land on one run each
         table = np.full((plan.num_phases, plan.num_datasets), -1, dtype=np.int64)  # (P, union)
         for d in self._ids.tolist():
             mine = np.flatnonzero(store == d)
-            first = np.minimum(plan.cumulative[:-1, d], ends[d] - 1)  # (P,)
+            first = np.minimum(cumulative[:, d], ends[d] - 1)  # (P,)
             table[:, d] = mine[np.searchsorted(begin[mine], first, side="right") - 1]
         self._store, self._begin, self._samples, self._table = store, begin, samples, table
         self.seq_lengths = tuple(int(c[1]) for c in columns)
@@ -199,7 +206,13 @@ class ScheduleLocator:
         """The split's datasets: its stores, or their length runs."""
         return len(self._ids) if self.columns is None else len(self.columns)
 
+    def _check_closed_form(self) -> None:
+        if not self._closed_form:
+            raise ConfigError("this schedule's length runs are numbered by exact mode's greedy, not the plan's "
+                              "closed form; locate its positions with the blend's arrays (ArrayLocator)")
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self._check_closed_form()
         phases, datasets, samples = self.plan.locate(positions)
         if self.columns is None:
             return self._local[datasets], samples
@@ -210,6 +223,7 @@ class ScheduleLocator:
         """Ascending positions holding samples ``sample_ids`` of dataset ``dataset_id``: the
         schedule takes the first ``totals`` of them (of a run: its ``samples``), each where its
         closed form places it."""
+        self._check_closed_form()
         if self.columns is None:
             union, begin, count = int(self._ids[dataset_id]), 0, int(self.plan.totals[int(self._ids[dataset_id])])
         else:
@@ -221,6 +235,7 @@ class ScheduleLocator:
     def samples_reached(self, position: int) -> np.ndarray:
         """``(datasets,)`` int64: samples of each of the split's datasets in positions
         ``[0, position)``, closed form (what a weight change at ``position`` continues from)."""
+        self._check_closed_form()
         reached = self.plan.samples_reached(position)
         if self.columns is None:
             return reached[self._ids]
