@@ -121,6 +121,21 @@ def test_masks_reach_the_loss_where_the_stores_have_them(source, corpus):
     assert source.read_loss_masks(dataset_ids[dataset_ids == prose], sample_ids[dataset_ids == prose]) is None
 
 
+def test_the_numpy_gather_of_the_masks_equals_the_compiled_one(source):
+    from tokenloom.source.gather import GATHER_BACKENDS
+
+    dataset_ids, sample_ids = source.locate(np.arange(min(source.num_samples, 64)))
+    got = {}
+    for backend in GATHER_BACKENDS:
+        source.backend = backend
+        try:
+            got[backend] = source.read_loss_masks(dataset_ids, sample_ids)
+        finally:
+            source.backend = None
+    assert set(got) == {"numpy", "numba"}
+    np.testing.assert_array_equal(got["numpy"], got["numba"])
+
+
 def _steps(source, topology, options, num_steps, state=None):
     """Every field in stream order over ``num_steps`` global batches of 8, assembled from every
     data-parallel rank of ``topology`` (tensor rank 0), after ``state`` when given."""

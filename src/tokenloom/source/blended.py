@@ -488,7 +488,7 @@ class BlendedSource:
             return None
 
         def fill(d: int, rows: np.ndarray, wanted: np.ndarray, out: np.ndarray) -> None:
-            self.readers[d].loss_masks_into(wanted, out, rows)
+            self.readers[d].loss_masks_into(wanted, out, rows, backend=self.backend)
 
         return read_by_dataset(dataset_ids, sample_ids, datasets=self.readers, width=self.width_of(dataset_ids),
                                fill=fill, concurrently=self._remote, dtype=np.uint8)

@@ -99,6 +99,40 @@ def _span_rows_kernel(tokens, sequence_pointers, itemsize, bounds, document_ids,
     return -1
 
 
+@jit(cache=True, nogil=True)
+def _mask_rows_kernel(bits, sequence_pointers, itemsize, bounds, document_ids, offsets, lengths, out, out_rows):
+    """Fill ``out[out_rows[k]]`` with the loss-mask bits of the spans ``bounds[k]:bounds[k + 1]``
+    (token t is bit ``t & 7`` of ``bits[t >> 3]``), then 1 on the padding; returns -1, or a k whose
+    spans hold more tokens than the row."""
+    width = out.shape[1]
+    for k in range(bounds.shape[0] - 1):
+        r = out_rows[k]
+        column = 0
+        for piece in range(bounds[k], bounds[k + 1]):
+            n = lengths[piece]
+            if n > width - column:
+                return k
+            p = np.int64(sequence_pointers[document_ids[piece]]) // itemsize + offsets[piece]
+            stop = column + n
+            while column < stop and p & 7:  # to a byte boundary, then a byte (8 tokens) at a time
+                out[r, column] = (bits[p >> 3] >> (p & 7)) & 1
+                column += 1
+                p += 1
+            while stop - column >= 8:
+                byte = bits[p >> 3]
+                for j in range(8):
+                    out[r, column + j] = (byte >> j) & 1
+                column += 8
+                p += 8
+            while column < stop:
+                out[r, column] = (bits[p >> 3] >> (p & 7)) & 1
+                column += 1
+                p += 1
+        for c in range(column, width):
+            out[r, c] = 1
+    return -1
+
+
 def _plain(array) -> np.ndarray:
     """The ndarray behind a memmap (numba takes plain arrays; no copy)."""
     return array if type(array) is np.ndarray else np.asarray(array)
@@ -250,6 +284,32 @@ def _span_block_numpy(store, spans, pad_id: int, out: np.ndarray) -> None:
     out[row_of_token, column] = tokens
 
 
+def mask_rows_numba(store, spans, out: np.ndarray, out_rows: np.ndarray) -> None:
+    if getattr(store, "is_remote", False):
+        mask_rows_numpy(store, spans, out, out_rows)
+        return
+    bad = compiled(_mask_rows_kernel)(
+        _plain(store.loss_mask_bits), _plain(store.sequence_pointers), np.int64(store.itemsize), spans.bounds,
+        spans.document_ids, spans.offsets, spans.lengths, out, out_rows)
+    if bad >= 0:
+        raise FormatError(f"{store.prefix}: sample row {bad} has more tokens than seq_length + extra")
+
+
+def mask_rows_numpy(store, spans, out: np.ndarray, out_rows: np.ndarray) -> None:
+    values = store.read_loss_mask_spans(spans.document_ids, spans.offsets, spans.lengths)  # (V,) uint8
+    ends = np.zeros(spans.lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(spans.lengths, out=ends[1:])
+    row_ends = ends[spans.bounds]  # (B + 1,) where each sample's values begin in ``values``
+    totals = np.diff(row_ends)  # (B,) tokens of each sample's pieces
+    if (totals > out.shape[1]).any():
+        bad = int(np.flatnonzero(totals > out.shape[1])[0])
+        raise FormatError(f"{store.prefix}: sample row {bad} has more tokens than seq_length + extra")
+    out[out_rows] = 1
+    row_of_value = np.repeat(np.arange(totals.shape[0]), totals)  # (V,)
+    columns = np.arange(values.shape[0]) - row_ends[row_of_value]  # (V,)
+    out[out_rows[row_of_value], columns] = values
+
+
 class GatherKernels(NamedTuple):
     """One backend's gathers; both fill ``out[out_rows[k]]`` with sample ``k`` (int64 rows)."""
 
@@ -260,12 +320,17 @@ class GatherKernels(NamedTuple):
     """``(store, spans, pad_id, out, out_rows, ends=None, counts=None, sample_ids=None)``: the
     pieces of stateless samples (:class:`~tokenloom.index.stateless.SampleSpans`; ``sample_ids``
     only name a sample in an error)."""
+    mask_rows: Callable[..., None]
+    """``(store, spans, out, out_rows)``: the store's loss-mask bits of the pieces ``spans`` (any
+    kind of index's :class:`~tokenloom.index.stateless.SampleSpans`) into uint8 rows, 1 on the
+    padding after them."""
 
 
-GATHER_BACKENDS: dict[str, GatherKernels] = {"numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy)}
+GATHER_BACKENDS: dict[str, GatherKernels] = {"numpy": GatherKernels(gpt_rows_numpy, span_rows_numpy,
+                                                                   mask_rows_numpy)}
 """Backend name -> :class:`GatherKernels` (the backends that can run here); identical results."""
 if numba_available():
-    GATHER_BACKENDS["numba"] = GatherKernels(gpt_rows_numba, span_rows_numba)
+    GATHER_BACKENDS["numba"] = GatherKernels(gpt_rows_numba, span_rows_numba, mask_rows_numba)
 
 
 def default_backend() -> str:

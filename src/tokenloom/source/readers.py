@@ -196,25 +196,18 @@ class DatasetReader:
         store, from which token and how many, each sample reads (provenance, without the tokens)."""
         raise NotImplementedError
 
-    def loss_masks_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
+    def loss_masks_into(self, sample_ids: np.ndarray, out: np.ndarray, out_rows: np.ndarray, *,
+                        backend: str | None = None) -> None:
         """Write the store's loss mask of sample ``sample_ids[k]`` into ``out[out_rows[k]]``
         (uint8), column for column with the row :meth:`read_into` writes: the masks of the pieces
         :meth:`spans` lists, in order, then 1 on the padding after them (the padding mask, not
         this one, keeps padding out of the loss). A store without a sidecar gives ones."""
         sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
         out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
-        out[out_rows] = 1
         if not self.store.has_loss_mask or sample_ids.shape[0] == 0:
+            out[out_rows] = 1
             return
-        spans = self.spans(sample_ids)
-        values = self.store.read_loss_mask_spans(spans.document_ids, spans.offsets, spans.lengths)  # (V,) uint8
-        ends = np.zeros(spans.lengths.shape[0] + 1, dtype=np.int64)
-        np.cumsum(spans.lengths, out=ends[1:])
-        row_ends = ends[spans.bounds]  # (B + 1,) where each sample's values begin in ``values``
-        totals = np.diff(row_ends)  # (B,) tokens of each sample's pieces (at most the row's width)
-        row_of_value = np.repeat(np.arange(sample_ids.shape[0]), totals)  # (V,)
-        columns = np.arange(values.shape[0]) - row_ends[row_of_value]  # (V,)
-        out[out_rows[row_of_value], columns] = values
+        gather_kernels(backend).mask_rows(self.store, self.spans(sample_ids), out, out_rows)
 
     def read(self, sample_ids, *, backend: str | None = None) -> np.ndarray:
         """``(len(sample_ids), seq_length + add_extra_token)`` int64 tokens."""
