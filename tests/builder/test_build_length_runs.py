@@ -331,16 +331,22 @@ def test_the_where_command_gives_boundaries_at_each_samples_width(built, tmp_pat
     assert [r["cu_seqlens"][-1] for r in records] == [SEQ] * 4 + [LONG] * 4  # phase 2 starts at 640
 
 
-def test_phases_all_at_another_length_than_the_builds_serve_at_theirs(tmp_path):
+@pytest.mark.parametrize("mode", ["stateless", "exact"])
+def test_phases_all_at_another_length_than_the_builds_serve_at_theirs(stores, tmp_path, mode):
     """Every phase at LONG with the build's seq_length SEQ: no store changes length, but the train
-    split is indexed at LONG (the valid and test splits at SEQ)."""
-    make_stores(tmp_path / "stores", count=3)
+    split is indexed at LONG (the valid and test splits at SEQ); in exact mode each store's item
+    is the one a schedule at LONG throughout makes (same key: megatron-core's own arrays)."""
     phases = [{**p, "seq_length": LONG} for p in PHASES]
-    result = tokenloom.build(_config(str(tmp_path / "stores"), tmp_path / "cache", phases=phases))
+    values = _config(str(stores / "stores"), tmp_path / "cache", phases=phases, mode=mode)
+    result = tokenloom.build(values)
+    if mode == "exact":
+        at_long = tokenloom.build({**values, "seq_length": LONG, "cache_dir": str(tmp_path / "at-long"),
+                                   "phases": [{k: v for k, v in p.items() if k != "seq_length"}
+                                              for p in values["phases"]]})
+        assert result.plan.splits[0].dataset_keys == at_long.plan.splits[0].dataset_keys
     train = result.split("train")
     assert train.seq_lengths.tolist() == [LONG] * len(train.readers)
     assert {result.plan.item(k).params["seq_length"] for k in result.plan.splits[0].dataset_keys} == {LONG}
     assert train.read_samples(*train.locate(np.arange(4))).shape == (4, LONG + 1)
     assert result.split("valid").seq_lengths.tolist() == [SEQ] * len(result.split("valid").readers)
-    assert "length runs: none" in build_config_from_dict(
-        _config(str(tmp_path / "stores"), tmp_path / "cache", phases=phases)).describe_schedule()
+    assert "length runs: none" in build_config_from_dict(values).describe_schedule()
