@@ -105,10 +105,17 @@ def test_a_build_names_a_sidecar_that_does_not_match_and_verify_checks_the_masks
         tokenloom.build(_config([chat, prose], tmp_path / "cache2"))
 
 
-def test_the_merge_command_carries_the_masks(tmp_path):
+def test_the_merge_command_carries_the_masks_and_inspect_shows_them(tmp_path, capsys):
     chat, prose = _write(str(tmp_path / "chat"), seed=6), _write(str(tmp_path / "prose"), seed=7, masked=False)
     assert cli_main(["merge", chat, prose, "--output", str(tmp_path / "merged")]) == 0
     merged, a, b = IndexedDataset(str(tmp_path / "merged")), IndexedDataset(chat), IndexedDataset(prose)
     assert merged.has_loss_mask
     np.testing.assert_array_equal(merged.get_loss_mask(0), a.get_loss_mask(0))
     np.testing.assert_array_equal(merged.get_loss_mask(len(a)), np.ones(len(b.get(0)), np.uint8))
+    capsys.readouterr()
+    assert cli_main(["inspect", str(tmp_path / "merged")]) == 0
+    record = merged.metadata["loss_mask"]
+    assert (f"loss mask  merged.mask {record['bytes']:,} B   tokens outside the loss "
+            f"{record['tokens_outside_loss']:,}") in capsys.readouterr().out
+    assert record["tokens_outside_loss"] == int((a.get_loss_mask(0) == 0).sum()) + sum(
+        int((a.get_loss_mask(i) == 0).sum()) for i in range(1, len(a)))

@@ -41,6 +41,12 @@ def _format_report(report) -> str:
             "  tokenizer  "
             + "  ".join(f"{k} {tokenizer[k]}" for k in ("kind", "name", "vocab_size", "eod_id") if k in tokenizer)
         )
+    mask = (report.metadata or {}).get("loss_mask")
+    if isinstance(mask, dict) and isinstance(mask.get("num_tokens"), int):
+        outside = mask.get("tokens_outside_loss", 0)
+        share = 100 * outside / mask["num_tokens"] if mask["num_tokens"] else 0.0
+        lines.append(f"  loss mask  {mask.get('file')} {mask.get('bytes', 0):,} B   tokens outside the loss "
+                     f"{outside:,} ({share:.1f}%)")
     if report.token_scan:
         t = report.token_scan
         lines.append(
