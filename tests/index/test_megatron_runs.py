@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from index_fixtures import megatron_pieces
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_gpt import SAMPLE_INDEX_KERNELS
-from tokenloom.index.megatron_runs import build_megatron_run_indices, stream_epochs_for
+from tokenloom.index.megatron_runs import build_megatron_run_indices, build_run_sample_index, stream_epochs_for
 
 
 def _reference_stream(ids: np.ndarray, seed: int, epochs: int) -> np.ndarray:
@@ -59,6 +59,11 @@ def test_every_stream_token_is_an_input_once_across_the_runs_none_skipped(length
                     for o in range(offset, int(lengths[d]) if stop is None else stop)]
             assert read == tokens[first + k * s:first + (k + 1) * s + extra], (first, k)
             inputs += read[:s]
+        # the stream's ends summed a few positions at a time: the same arrays
+        chunk = data.draw(st.integers(1, 5))
+        again = build_run_sample_index(lengths, stream, indices.plan, first, kernel=kernel, chunk=chunk)
+        np.testing.assert_array_equal(again[0], indices.document_index)
+        np.testing.assert_array_equal(again[1], indices.sample_index)
         # one shuffled part, drawn by the run's own generator
         expected = np.random.RandomState([seed, first & 0xFFFFFFFF, first >> 32]).permutation(n)
         np.testing.assert_array_equal(indices.shuffle_index.astype(np.int64), expected)

@@ -76,19 +76,34 @@ def build_run_shuffle_index(num_samples: int, *, seed: int, first_token: int,
     return shuffle_index
 
 
+def _stream_ends(sequence_lengths: np.ndarray, stream: np.ndarray, reach: int, chunk: int) -> np.ndarray:
+    """``(positions read,)`` int64: the stream token each position ends at, read ``chunk``
+    positions at a time until one reaches ``reach`` (a run early in the stream reads only its part)."""
+    parts, total = [], 0
+    for lo in range(0, stream.shape[0], chunk):
+        part = np.cumsum(sequence_lengths[stream[lo:lo + chunk]], dtype=np.int64)  # (chunk,)
+        part += total
+        parts.append(part)
+        total = int(part[-1])
+        if total >= reach:
+            break
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 def build_run_sample_index(sequence_lengths: np.ndarray, stream: np.ndarray, plan: EpochPlan, first_token: int,
-                           *, kernel: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                           *, kernel: str | None = None, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
     """``(document_index, sample_index)`` of a run: the stream's slice the run reads (int32) and
     megatron's sample walk over it from ``first_token`` (``(n + 1, 2)``, positions in the slice).
 
     The slice starts at megatron's row of ``first_token`` (the document ``j`` with
     ``C_j < T + extra <= C_{j+1}``; ``(0, 0)`` at ``T = 0``) and ends with the document holding the
     last row's last token. The walk runs over the slice's lengths with the first one less the
-    offset, and that offset is added back to the rows in the first document."""
+    offset, and that offset is added back to the rows in the first document. ``chunk``: stream
+    positions whose ends are summed at a time (the same arrays for any)."""
     extra = int(plan.add_extra_token)
     n, s = plan.num_samples_in_index, plan.seq_length
-    ends = np.cumsum(sequence_lengths[stream], dtype=np.int64)  # (positions,) stream token each ends at
     reach = first_token + n * s + extra  # tokens of the stream the run's last row reads
+    ends = _stream_ends(sequence_lengths, stream, reach, chunk)  # (positions read,) stream token each ends at
     if not ends.shape[0] or int(ends[-1]) < reach:
         raise ConfigError(f"a run of {n} samples of {s} tokens from stream token {first_token} reads to token "
                           f"{reach}, but the stream of {stream.shape[0]} positions holds "
