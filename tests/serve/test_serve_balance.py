@@ -282,3 +282,22 @@ def test_where_find_and_balance_commands(built, capsys):
     assert re.search(r"\| balanced +\| +1\.0\d\d \|", table) and "Megatron's order" in table
     assert cli_main(["where", str(config), "--positions", "0:4", "--balance", "tokens"]) == 2
     assert "--balance needs --dp" in capsys.readouterr().err
+
+
+def test_grain_stream_places_the_hosts_rows_as_host_loader_does(memory_source):
+    grain = pytest.importorskip("grain")  # noqa: F841 - the adapter imports it
+    from tokenloom.serve.grain_adapter import GrainStream
+    from tokenloom.serve.jax_adapter import HostLoader, ShardOptions
+
+    for p in range(2):
+        shard = ShardOptions(shard_index=p, shard_count=2)
+        stream = iter(GrainStream(memory_source, global_batch_size=8, shard=shard, options=MASKING,
+                                  balance="attention", max_steps=3))
+        loader = HostLoader(memory_source, global_batch_size=8, shard=shard, options=MASKING, balance="attention",
+                            max_steps=3)
+        for _ in range(3):
+            ours, theirs = next(stream), next(loader)
+            np.testing.assert_array_equal(ours["tokens"], theirs["tokens"])
+    with pytest.raises(ConfigError, match="inter_document_masking=False"):
+        GrainStream(memory_source, global_batch_size=8, shard=ShardOptions(shard_index=0, shard_count=2),
+                    balance="attention")

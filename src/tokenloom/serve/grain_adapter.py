@@ -128,7 +128,8 @@ class GrainStreamIterator(grain.DatasetIterator):
         super().__init__()
         self._dataset = stream
         self._loader = HostLoader(stream.source, global_batch_size=stream.global_batch_size, shard=stream.shard,
-                                  options=stream.options, max_steps=stream.max_steps, audit=stream.audit)
+                                  options=stream.options, max_steps=stream.max_steps, audit=stream.audit,
+                                  balance=stream.balance)
         first, self._stride = stream.worker_steps
         self._loader.pass_steps(first)  # a worker process starts at its own first step
 
@@ -170,20 +171,24 @@ class GrainStream(grain.IterDataset):
     ``shard``: grain's ``ShardOptions`` (or tokenloom's, or anything with ``shard_index`` and
     ``shard_count``); ``global_batch_size`` must divide by ``shard_count``. ``options``: the
     fields, as :class:`HostLoader` takes them (``"segments"`` for MaxText's packed inputs).
+    ``balance``: ``"attention"`` or ``"tokens"`` places each global batch's rows on the hosts by
+    cost, as :class:`HostLoader` does (the batch holds the same rows).
     """
 
     def __init__(self, source: SampleSource | SampleStream, *, global_batch_size: int, shard,
                  options: SampleOptions = SampleOptions(), max_steps: int | None = None,
-                 audit: MixtureAudit | None = None) -> None:
+                 audit: MixtureAudit | None = None, balance: str | None = None) -> None:
         super().__init__()
         self.source = source
+        self.balance = balance
         self.global_batch_size = global_batch_size
         self.shard = ShardOptions.of(shard)
         self.options = options
         self.max_steps = max_steps
         self.audit = audit
+        # refuses a bad geometry or options here, not in the first next()
         HostLoader(source, global_batch_size=global_batch_size, shard=self.shard, options=options,
-                   max_steps=max_steps)  # refuses a bad geometry or options here, not in the first next()
+                   max_steps=max_steps, balance=balance)
         self.worker_steps = (0, 1)
         """``(first, stride)``: the steps this copy serves (grain's worker processes set it)."""
 
