@@ -5,6 +5,9 @@
 For trying ``tokenloom tokenize --tokenizer`` where no model hub can be reached: any
 HuggingFace ``tokenizer.json`` works the same way. The first special token, ``<|endoftext|>``,
 gets id 0; pass ``--eod-id 0`` to ``tokenloom tokenize`` so that it ends every document with it.
+``--chat`` adds ChatML's ``<|im_start|>`` and ``<|im_end|>`` as special tokens and writes a
+``tokenizer_config.json`` beside the tokenizer with its ``eos_token`` and a ChatML
+``chat_template``, which ``tokenloom tokenize --input-format chat`` renders conversations with.
 Needs the ``tokenizers`` library (``pip install "tokenloom[tokenizers]"``).
 """
 
@@ -14,6 +17,12 @@ import argparse
 import json
 import os
 import sys
+
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                   "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
+"""ChatML: each message opens with its role's header and ends with ``<|im_end|>``."""
 
 
 def texts(paths: list[str], key: str):
@@ -34,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="where to write tokenizer.json (its folder is created)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--text-key", default="text")
+    parser.add_argument("--chat", action="store_true",
+                        help="add ChatML's special tokens and a tokenizer_config.json with a ChatML chat template")
     args = parser.parse_args(argv)
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,13 +52,20 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=["<|endoftext|>"],
+    specials = ["<|endoftext|>", *(CHATML_TOKENS if args.chat else ())]
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts(args.inputs, args.text_key), trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tokenizer.save(args.output)
+    written = ""
+    if args.chat:
+        config_path = os.path.join(os.path.dirname(os.path.abspath(args.output)), "tokenizer_config.json")
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump({"eos_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}, f, indent=1)
+        written = f", ChatML chat template in {os.path.join(os.path.dirname(args.output), 'tokenizer_config.json')}"
     print(f"wrote {args.output}: byte-level BPE, {tokenizer.get_vocab_size():,} ids, <|endoftext|> = "
-          f"{tokenizer.token_to_id('<|endoftext|>')}")
+          f"{tokenizer.token_to_id('<|endoftext|>')}{written}")
     return 0
 
 

@@ -297,3 +297,11 @@ def test_cli_tokenizes_chat_with_its_flags(chat_tokenizer, chat_records, tmp_pat
     assert source["input_format"] == "chat" and source["chat_template"] == template
     assert source["assistant_prefix_tokens"] == 2
     assert IndexedDataset(str(tmp_path / "chat")).has_loss_mask
+
+
+def test_spans_encode_nothing_so_the_tokenizer_is_not_scanned(chat_tokenizer, tmp_path):
+    inputs = write_jsonl(tmp_path / "spans.jsonl", [{"input_ids": [5, 6, 7], "loss_spans": [[1, 3]]}])
+    summary = tokenize_to_store([inputs], str(tmp_path / "out"), TokenizeConfig(
+        tokenizer=chat_tokenizer, input_format="spans", workers=0))
+    assert (summary.engine, summary.engine_note, summary.divergent_code_points) == ("none", "pre-tokenized input", None)
+    assert summary.loss_tokens == 2 and summary.num_tokens == 4  # the EOD appended, outside the loss

@@ -234,39 +234,39 @@ def conversations_of(record: Any, where: str) -> list[list[Mapping[str, Any]]]:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise RecordError("bad_conversation", f"{where}: 'messages' is {_describe(messages)}, expected a "
-                              "non-empty array of {role, content} objects")
+                          "non-empty array of {role, content} objects")
     for number, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RecordError("bad_conversation", f"{where}: message {number} is {_describe(message)}, "
-                                  "expected an object with 'role' and 'content'")
+                              "expected an object with 'role' and 'content'")
         role = message.get("role")
         if not isinstance(role, str) or role.lower() not in ROLES:
             raise RecordError("bad_conversation", f"{where}: message {number} has role {role!r}, expected one "
-                                  f"of {list(ROLES)}")
+                              f"of {list(ROLES)}")
         if "content" not in message:
             raise RecordError("bad_conversation", f"{where}: message {number} ({role}) has no 'content'")
         if not isinstance(message["content"], str):
             raise RecordError("bad_conversation", f"{where}: message {number} ({role}) has content "
-                                  f"{_describe(message['content'])}, expected a string")
+                              f"{_describe(message['content'])}, expected a string")
     conversations = split_conversations(messages)
     first = 0
     for conversation in conversations:
         roles = [message["role"].lower() for message in conversation]
         if "assistant" not in roles:
             raise RecordError("bad_conversation", f"{where}: the conversation of messages {first}-"
-                                  f"{first + len(roles) - 1} has no assistant turn, so nothing of it would be in "
-                                  "the loss")
+                              f"{first + len(roles) - 1} has no assistant turn, so nothing of it would be in "
+                              "the loss")
         for k, role in enumerate(roles):
             if role != "assistant":
                 continue
             if not conversation[k]["content"]:
                 raise RecordError("bad_conversation", f"{where}: message {first + k} is an empty assistant "
-                                      "turn")
+                                  "turn")
             if k == 0 or roles[k - 1] not in _PROMPT_ROLES:
                 after = f"a {roles[k - 1]} message" if k else "the start of a conversation"
                 raise RecordError("bad_conversation", f"{where}: message {first + k} is an assistant turn "
-                                      f"after {after}; Megatron's SFTDataset expects one after a user or tool "
-                                      "message")
+                                  f"after {after}; Megatron's SFTDataset expects one after a user or tool "
+                                  "message")
         first += len(conversation)
     return conversations
 
@@ -312,14 +312,14 @@ def render_conversation(template: ChatTemplate, conversation: Sequence[Mapping[s
         turns = [template.render([message]) for message in conversation]
     except Exception as exc:  # the template's own raise_exception, or a template bug on this record
         raise RecordError("template_error", f"{where}: the chat template ({template.origin}) failed on this "
-                              f"conversation: {type(exc).__name__}: {exc}") from exc
+                          f"conversation: {type(exc).__name__}: {exc}") from exc
     if "".join(turns) != text:
         at = _first_difference("".join(turns), text)
         raise RecordError("template_error", f"{where}: the chat template ({template.origin}) renders the "
-                              "messages one by one differently from the whole conversation (from character "
-                              f"{at}: {text[at:at + 40]!r} whole, {''.join(turns)[at:at + 40]!r} one by one), so "
-                              "the assistant turns cannot be told apart; Megatron's SFTDataset refuses it too (a "
-                              "template that adds a default system prompt or a BOS per rendering)")
+                          "messages one by one differently from the whole conversation (from character "
+                          f"{at}: {text[at:at + 40]!r} whole, {''.join(turns)[at:at + 40]!r} one by one), so "
+                          "the assistant turns cannot be told apart; Megatron's SFTDataset refuses it too (a "
+                          "template that adds a default system prompt or a BOS per rendering)")
     return RenderedConversation(where=where, text=text, turns=turns,
                                 in_loss=[message["role"].lower() == "assistant" for message in conversation])
 

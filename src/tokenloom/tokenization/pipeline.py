@@ -210,7 +210,8 @@ class TokenizeSummary:
     """Of a divided run: ranks whose part an earlier run had finished with the same inputs."""
 
     engine: str = "bytes"
-    """What encoded: ``"bytes"``, ``"gigatoken"`` or ``"hf"`` (the ``tokenizers`` library)."""
+    """What encoded: ``"bytes"``, ``"gigatoken"`` or ``"hf"`` (the ``tokenizers`` library); ``"none"``
+    for pre-tokenized ``spans`` input."""
 
     engine_note: str | None = None
     """Why ``tokenizers`` encoded where ``engine="auto"`` could not take gigatoken."""
@@ -697,7 +698,8 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
     if config.append_eod and tokenizer.eod_id is None:
         raise ConfigError(f"tokenizer {tokenizer!r} has no end-of-document id; give one or do not append it")
     route = getattr(tokenizer, "route_divergent", None)
-    if route is not None:
+    pretokenized = config.input_format == "spans"  # ids given: nothing is encoded, no scan is needed
+    if route is not None and not pretokenized:
         route()  # before the workers start: they share (or are sent) its result
     record = tokenizer.record(append_eod=config.append_eod)
     dtype = np.dtype(dtype_for_vocab(record.vocab_size))
@@ -757,11 +759,11 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         num_empty=num_empty,
         skipped=dict(metadata["source"]["skipped"]),
         elapsed_s=time.perf_counter() - started,
-        engine=getattr(tokenizer, "engine", "bytes"),
-        engine_note=getattr(tokenizer, "engine_note", None),
+        engine="none" if pretokenized else getattr(tokenizer, "engine", "bytes"),
+        engine_note="pre-tokenized input" if pretokenized else getattr(tokenizer, "engine_note", None),
         workers=workers,
         threads=threads,
-        **engine_report(tokenizer, verify=config.verify),
+        **(engine_report(tokenizer, verify=config.verify) if not pretokenized else {}),
         routed_documents=routed,
         loss_tokens=loss_tokens,
     )

@@ -47,32 +47,32 @@ def _ids_of(record: Any, where: str, vocab_size: int) -> np.ndarray:
         if outside.size:
             k = int(outside[0])
             raise RecordError("bad_spans", f"{where}: input_ids[{k}] is {int(array[k])}, outside the "
-                                  f"tokenizer's vocabulary [0, {vocab_size})")
+                              f"tokenizer's vocabulary [0, {vocab_size})")
     return array
 
 
 def _mask_of(record: dict, where: str, num_tokens: int) -> np.ndarray:
     if "loss_spans" not in record:
         raise RecordError("missing_key", f"{where}: no key 'loss_spans' (the [begin, end) token ranges in the "
-                              "loss) in the object")
+                          "loss) in the object")
     spans = record["loss_spans"]
     if not isinstance(spans, list):
         raise RecordError("bad_spans", f"{where}: 'loss_spans' is {type(spans).__name__}, expected an array of "
-                              "[begin, end] pairs")
+                          "[begin, end] pairs")
     mask = np.zeros(num_tokens, dtype=np.uint8)
     previous_end = 0
     for k, span in enumerate(spans):
         if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)):
             raise RecordError("bad_spans", f"{where}: loss_spans[{k}] is {span!r}, expected [begin, end] "
-                                  "with integer token positions")
+                              "with integer token positions")
         begin, end = span
         if not 0 <= begin < end <= num_tokens:
             raise RecordError("bad_spans", f"{where}: loss_spans[{k}] = [{begin}, {end}] is not a non-empty "
-                                  f"range within the record's {num_tokens} input_ids (0 <= begin < end <= "
-                                  f"{num_tokens})")
+                              f"range within the record's {num_tokens} input_ids (0 <= begin < end <= "
+                              f"{num_tokens})")
         if begin < previous_end:
             raise RecordError("bad_spans", f"{where}: loss_spans[{k}] = [{begin}, {end}] starts before the "
-                                  f"previous span ends ({previous_end}); spans must be in order and not overlap")
+                              f"previous span ends ({previous_end}); spans must be in order and not overlap")
         mask[begin:end] = 1
         previous_end = end
     return mask
