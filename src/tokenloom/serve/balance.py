@@ -57,6 +57,10 @@ def batch_costs(stream: SampleStream, positions, geometry: BatchGeometry) -> np.
     boundaries (``"attention"``), or their real tokens (``"tokens"``)."""
     source = stream.source
     check_balance_source(source, geometry)
+    # TODO(balance-costs): every rank costs all G samples of a step (locate, spans, the pairs) but
+    # reads only G / dp of them, so at dp 64 placing a step costs about as much as reading this
+    # rank's share (BENCHMARKS.md "Balance"). A per-sample array of sum L(L+1)/2 and real tokens,
+    # written beside the index at build time, would make this a gather of G values.
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)  # (B,)
     dataset_ids, sample_ids = stream.locate(positions)  # (B,) int64 each
     widths = getattr(source, "seq_lengths", None)  # (datasets,) per dataset where a schedule varies them
