@@ -21,8 +21,9 @@ already uses for its tokens, and a merge concatenates masks as it concatenates .
 
 **Bits, not bytes.** A mask is 1/8 byte per token: 1/16 of a uint16 .bin, 1/32 of an int32
 one, where a byte per token (OLMo-core's bool arrays) would add half of a uint16 store again.
-Serving reads a sample's bits with one gather of the bytes covering it and a shift, so the
-packing costs no extra pass (BENCHMARKS.md, "Loss masks").
+Serving reads a micro-batch's bits in one compiled loop over its samples' pieces, a byte (8
+tokens) at a time (:mod:`tokenloom.source.gather`), which reads 1/8 of the bytes a byte mask would
+and costs about the same (BENCHMARKS.md, "Loss masks", measures both).
 
 ``PREFIX.meta.json`` records the sidecar under ``"loss_mask"`` (:func:`mask_record`): its file
 name, size and the SHA-256 of its bits; the record is what says a store has a mask (a ``.mask``
