@@ -103,7 +103,7 @@ def test_every_rank_reads_its_own_slots_and_where_reports_them(split):
 def test_resume_on_another_layout_recomputes_the_placement(split):
     options = MASKING
     whole = simulate_job(split, _geometry(8, micro=1), Topology(dp=8), num_steps=5, options=options)
-    first = simulate_job(split, _geometry(2), Topology(dp=2, pp=2), num_steps=2, options=options)
+    first = simulate_job(split, _geometry(2), Topology(dp=2, pp=2, cp=2), num_steps=2, options=options)
     rest = simulate_job(split, _geometry(4, micro=4, size=16), Topology(dp=4), num_steps=3, options=options,
                         state=first.state)
     for step, batch in enumerate(first.global_batches + rest.global_batches):
