@@ -162,9 +162,8 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
 
-    from tokenloom.serve import BatchPipeline, SampleOptions
-    from tokenloom.serve.fim import FimOptions, FimTransform
-    from tokenloom.source import StoreBlendSource
+    from tokenloom.serve import BatchPipeline, FimTransform, SampleOptions
+    from tokenloom.source import FimOptions, StoreBlendSource
 
     files = stdlib_files()
     started = time.perf_counter()

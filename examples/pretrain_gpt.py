@@ -82,7 +82,6 @@ from tokenloom.io import IndexedDataset
 from tokenloom.serve import (
     BatchGeometry,
     ExponentiatedGradient,
-    FimOptions,
     FimTransform,
     OnlineMixing,
     SampleOptions,
@@ -90,6 +89,7 @@ from tokenloom.serve import (
     batch_fingerprint,
 )
 from tokenloom.serve.torch_adapter import DistributedBatches
+from tokenloom.source import FimOptions
 from tokenloom.tokenization import load_tokenizer
 
 CHECKPOINT_FORMAT = "tokenloom-example-gpt-checkpoint"

@@ -14,7 +14,8 @@ import pytest
 
 from serve_fixtures import FIM_EXTRA_TOKENS, stdlib_sources, train_code_tokenizer
 from tokenloom.errors import ConfigError
-from tokenloom.serve.fim import FimOptions, FimTransform
+from tokenloom.serve.fim import FimTransform
+from tokenloom.source import FimOptions
 
 EXTRA = FIM_EXTRA_TOKENS
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from serve_fixtures import FIM_EXTRA_TOKENS, stdlib_sources, train_code_tokenizer, write_store
-from tokenloom.errors import ConfigError
+from tokenloom.errors import BuildError, ConfigError
 from tokenloom.serve import BatchGeometry, BatchPipeline, RankLoader, SampleOptions, Topology
-from tokenloom.serve.fim import FimOptions, FimTransform
-from tokenloom.source import StatelessBlendSource
+from tokenloom.serve.fim import FimTransform
+from tokenloom.source import FimOptions, StatelessBlendSource
 
 SEQ = 128
 
@@ -149,3 +149,54 @@ def test_fim_options_that_do_not_fit_the_source_are_refused_naming_them(setup, t
         BatchPipeline(source, options=SampleOptions(fim=wrong))
     with pytest.raises(ConfigError, match=r"fim_stores=.* without fim"):
         SampleOptions(fim_stores=("code",))
+
+
+def _hf_store(prefix: str, documents, codec) -> str:
+    """A store whose sidecar records ``codec`` as ``tokenloom tokenize`` does (kind, path, SHA-256)."""
+    from tokenloom.io import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for doc in documents:
+            writer.add_document(np.asarray(doc, dtype=np.int64))
+        writer.finalize({"tokenizer": codec.record(append_eod=True).to_dict()})
+    return prefix
+
+
+def test_fim_in_the_build_config_permutes_its_stores_when_served(setup, tmp_path):
+    """A build config's ``fim`` (Megatron-LM's keys plus ``stores``) is served by every
+    BatchPipeline of the build, with the stores' recorded tokenizer and the build's seed, exactly
+    as SampleOptions(fim=...) would; it is not in the build key; a config it cannot serve fails
+    when the build opens, naming the store or the tokenizer file."""
+    import tokenloom
+    from tokenloom.io import IndexedDataset
+
+    codec, source = setup
+    prefixes = []
+    for reader, name in zip(source.readers, ("code", "prose")):
+        store = IndexedDataset(reader.prefix)
+        prefixes.append(_hf_store(str(tmp_path / name), [store[i] for i in range(len(store))], codec))
+    fim = {"fim_rate": 0.7, "fim_spm_rate": 0.5, "fim_extra_tokens": FIM_EXTRA_TOKENS,
+           "fim_split_sample": "<file_sep>", "fim_fragment_rate": 0.5, "stores": ["code"]}
+    values = {"blend": ["0.6", "code", "0.4", "prose"], "split": "100,0,0", "samples": [240, 0, 0],
+              "seq_length": SEQ, "seed": 5, "mode": "stateless", "cache_dir": "cache", "base_dir": str(tmp_path)}
+    plain = tokenloom.build(values)
+    served = tokenloom.build({**values, "fim": fim})
+    assert served.build_key == plain.build_key and plain.split("train").fim is None
+    train, reference = served.split("train"), plain.split("train")
+    dataset_ids, sample_ids = train.locate(np.arange(96))
+    got = BatchPipeline(train).read(dataset_ids, sample_ids)
+    expected = BatchPipeline(reference, options=SampleOptions(fim=_fim(codec), fim_stores=(prefixes[0],)))
+    for name, value in expected.read(dataset_ids, sample_ids).items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    unpermuted = BatchPipeline(reference).read(dataset_ids, sample_ids)["tokens"]
+    assert (got["tokens"] != unpermuted).any(axis=1).sum() > 10
+    assert not (got["tokens"] != unpermuted)[dataset_ids == 1].any()  # prose as it is
+    # what cannot be served fails when the build opens (on every rank, as any failure to open)
+    with pytest.raises(BuildError, match=r"fim_extra_tokens\['prefix'\]='<nope>' is not a token of .*tokenizer"
+                                          r"\.json \(the tokenizer of store .*code'\)"):
+        tokenloom.build({**values, "fim": {**fim, "fim_extra_tokens": {**FIM_EXTRA_TOKENS, "prefix": "<nope>"}}})
+    write_store(str(tmp_path / "bytes"), [np.array([1, 2, 3])] * 20, vocab_size=codec.vocab_size, eod_id=3)
+    with pytest.raises(BuildError, match=r"fim: store .*bytes' was tokenized with bytes tokenizer; FIM cuts"):
+        tokenloom.build({**values, "blend": [*values["blend"], "0.1", "bytes"], "fim": {**fim, "stores": ["bytes"]}})
+    with pytest.raises(ConfigError, match=r"fim.stores names 'gone', which is not a store of this config"):
+        tokenloom.build({**values, "fim": {**fim, "stores": ["gone"]}})

@@ -41,6 +41,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.blend_spec import DEFAULT_SURPLUS, BlendSpec
 from tokenloom.index.schedule import SchedulePlan
 from tokenloom.index.split import SPLIT_NAMES, parse_split
+from tokenloom.source.fim_options import FimConfig
 from tokenloom.validate import check_non_negative_int, check_number, check_positive_int, is_number
 
 #: Index-building modes: Megatron-exact arrays, or tokenloom's stateless (Feistel) index.
@@ -113,6 +114,14 @@ class BuildConfig:
 
     seed: int = 1234
     """Megatron's ``--seed``: the RandomState seed of every shuffle (exact) or the Feistel keys."""
+
+    fim: FimConfig | Mapping[str, Any] | None = None
+    """Fill-in-the-middle when samples are served, in Megatron-LM's keys (``fim_rate``,
+    ``fim_spm_rate``, ``fim_extra_tokens``, ``fim_split_sample``, ``fim_fragment_rate``,
+    ``fim_no_prefix``) plus ``stores`` (those permuted; absent: every store), read as a
+    :class:`~tokenloom.source.fim_options.FimConfig`. Not in the build key: the indices do not
+    change, and ``BatchPipeline`` permutes each sample of those stores with the stores' tokenizer
+    and a generator of its own (FORMAT.md, "Fill in the middle")."""
 
     add_extra_token: bool = True
     """Whether each sample carries one more token for the shifted labels (Megatron's default)."""
@@ -315,6 +324,8 @@ class BuildConfig:
                 )
         if self.max_epochs is not None:
             self._read_max_epochs()
+        if self.fim is not None:
+            self._read_fim()
         headroom = self.headroom
         if not is_number(headroom) or not 0 <= headroom <= 100:
             raise ConfigError(f"headroom={headroom!r}; expected a fraction of extra samples in [0, 100]")
@@ -341,6 +352,19 @@ class BuildConfig:
         if isinstance(max_epochs, Mapping):  # stores named as the blends name them, resolved alike
             max_epochs = {self.resolve_path(str(store)): epochs for store, epochs in max_epochs.items()}
         object.__setattr__(self, "max_epochs", read_max_epochs(max_epochs, stores=stores, names=names))
+
+    def _read_fim(self) -> None:
+        fim = FimConfig.from_mapping(self.fim)
+        if fim.stores is not None:
+            known = set(self.prefixes) | (set(self.schedule_stores.prefixes) if self.phases is not None else set())
+            resolved = tuple(self.resolve_path(store) for store in fim.stores)
+            for written, prefix in zip(fim.stores, resolved):
+                if prefix not in known:
+                    names = sorted(self.spelling(p) for p in known)
+                    raise ConfigError(f"fim.stores names {written!r}, which is not a store of this config; its stores "
+                                      f"are {names[:10]}{' ...' if len(names) > 10 else ''}")
+            fim = FimConfig(options=fim.options, stores=tuple(dict.fromkeys(resolved)))
+        object.__setattr__(self, "fim", fim)
 
     def _check_batch_sizes(self) -> None:
         """global_batch_size, rampup_batch_size, step_batch_size_schedule checked (a step schedule
@@ -627,6 +651,7 @@ class BuildConfig:
         out["phases"] = None if self.phases is None else [phase.to_dict() for phase in self.phases]
         out["rampup_batch_size"] = None if self.rampup_batch_size is None else list(self.rampup_batch_size)
         out["max_epochs"] = dict(self.max_epochs) if isinstance(self.max_epochs, Mapping) else self.max_epochs
+        out["fim"] = None if self.fim is None else self.fim.to_dict()
         return out
 
     def replace(self, **changes: Any) -> BuildConfig:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from tokenloom.builder.best_fit import open_index as open_best_fit_index
 from tokenloom.builder.cache import Cache
+from tokenloom.builder.fim import fim_settings
 from tokenloom.builder.items import BuildPlan, SplitPlan, WorkItem
 from tokenloom.builder.schedule import run_counts
 from tokenloom.builder.stateless import open_stateless_gpt_index, schedule_plan, stateless_blend
@@ -26,6 +27,7 @@ from tokenloom.index.best_fit_index import BestFitIndex, BestFitPlan
 from tokenloom.index.megatron_gpt import GPTIndices
 from tokenloom.index.stateless import StatelessGPTIndex
 from tokenloom.source.blended import ArrayLocator, BlendedSource, BlendLocator, DirectLocator, ScheduleLocator
+from tokenloom.source.fim_options import FimConfig
 from tokenloom.source.protocol import Locator
 from tokenloom.source.readers import BestFitReader, DatasetReader, MegatronReader, StatelessReader, StoreOpener
 
@@ -86,7 +88,8 @@ class BuildResult:
     def __init__(self, *, cache: Cache, plan: BuildPlan, build_key: str, mode: str, manifest_path: str | None,
                  seq_length: int, add_extra_token: bool, weights: Mapping[str, tuple[float, ...]],
                  timings: Mapping[str, float], built_keys: frozenset[str], rank: int,
-                 budgets: Mapping[str, Mapping[str, int]] | None = None) -> None:
+                 budgets: Mapping[str, Mapping[str, int]] | None = None, fim: FimConfig | None = None,
+                 seed: int = 0) -> None:
         self.cache = cache
         self.plan = plan
         self.build_key = build_key
@@ -114,6 +117,10 @@ class BuildResult:
         stores: dict[str, StoreOpener] = {}
         self._items = {item.key: item for item in plan.items}
         self._splits: dict[str, BlendedSource] = {}
+        self.fim = None if fim is None else fim_settings(
+            fim, seed=seed, prefixes=[p for split in plan.splits for p in split.prefixes],
+            metadata_of=lambda prefix: stores.setdefault(prefix, StoreOpener(prefix))().metadata)
+        """The config's fill-in-the-middle as every split serves it (None: no ``fim``)."""
         for split in plan.splits:
             self._splits[split.name] = self._open_split(split, stores, seq_length, add_extra_token,
                                                         weights[split.name], (budgets or {}).get(split.name))
@@ -153,7 +160,8 @@ class BuildResult:
         return BlendedSource(readers=readers, weights=weights, locator=locator, seq_length=seq_length,
                              add_extra_token=add_extra_token, build_key=self.build_key, name=split.name,
                              budgets=None if budgets is None else [budgets.get(p) for p in split.prefixes],
-                             schedule=schedule, seq_lengths=None if schedule is None else schedule.seq_lengths)
+                             schedule=schedule, seq_lengths=None if schedule is None else schedule.seq_lengths,
+                             fim=self.fim)
 
     def packing_report(self) -> dict[str, PackingReport]:
         """What best-fit packing reached, by split (empty for concatenated samples): one epoch of

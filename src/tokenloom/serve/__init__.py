@@ -30,7 +30,7 @@ from tokenloom.serve.audit import (
 )
 from tokenloom.serve.balance import BalanceReport, Slot, balance_report, slots_of
 from tokenloom.serve.batch import BatchPipeline, FieldSpec, field_schema
-from tokenloom.serve.fim import FimOptions, FimTransform
+from tokenloom.serve.fim import FimTransform
 from tokenloom.serve.geometry import BatchGeometry, BatchSizeSchedule
 from tokenloom.serve.loader import RankLoader
 from tokenloom.serve.online import ExponentiatedGradient, OnlineMixing
@@ -62,6 +62,7 @@ _MOVED = {
     "StoreBlendSource": "tokenloom.source",
     "read_positions": "tokenloom.source.protocol",
     "gather_gpt_samples": "tokenloom.source.readers",
+    "FimOptions": "tokenloom.source",
 }
 
 
@@ -76,7 +77,6 @@ __all__ = [
     "BatchSizeSchedule",
     "ExponentiatedGradient",
     "FieldSpec",
-    "FimOptions",
     "FimTransform",
     "LoadMode",
     "MixtureAudit",

@@ -38,12 +38,14 @@ micro-batch size. :func:`read_fields` and :func:`field_schema` are the same for 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
 from tokenloom.index.megatron_blend import megatron_dataset_id_dtype
+from tokenloom.serve.fim import FimTransform
 from tokenloom.serve.packed import pack_documents, partition_documents
 from tokenloom.serve.samples import SampleOptions, build_fields
 from tokenloom.serve.topology import context_parallel_slice
@@ -72,6 +74,7 @@ class BatchPipeline:
 
     def __init__(self, source: SampleSource, *, options: SampleOptions = SampleOptions(),
                  fields: tuple[str, ...] | None = None, cp_size: int = 1, cp_rank: int = 0) -> None:
+        options = with_build_fim(source, options)
         self.source = source
         self.options = options
         self.fields = None if fields is None else tuple(fields)
@@ -244,6 +247,23 @@ def fim_datasets(source: SampleSource, options: SampleOptions) -> np.ndarray:
     return chosen
 
 
+def with_build_fim(source: SampleSource, options: SampleOptions) -> SampleOptions:
+    """``options``, with the FIM of the build's config (``source.fim``, a
+    :class:`~tokenloom.source.fim_options.FimSettings`) when they set none: its stores that are in
+    this split are permuted (a split without any is served plain). FIM set in ``options`` wins."""
+    settings = getattr(source, "fim", None)
+    if options.fim is not None or settings is None:
+        return options
+    stores = None
+    if settings.stores is not None:
+        here = {store_identity(d.name) for d in source.datasets}
+        stores = tuple(p for p in settings.stores if store_identity(p) in here)
+        if not stores:
+            return options
+    transform = FimTransform(settings.options, settings.codec, seed=settings.seed)
+    return dataclasses.replace(options, fim=transform, fim_stores=stores)
+
+
 def label_loss_mask(store_mask: np.ndarray, add_extra_token: bool) -> np.ndarray:
     """``(B, S)`` uint8: the stores' mask of each label, from the mask of the row's tokens
     ``(B, S + add_extra_token)``. Label ``t`` is token ``t + 1``, so the mask of token ``t + 1``
@@ -291,4 +311,4 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
 
 
 __all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_fim_unmasked", "check_pieces", "field_schema",
-           "fim_datasets", "finish_micro_batch", "label_loss_mask", "read_fields"]
+           "fim_datasets", "finish_micro_batch", "label_loss_mask", "read_fields", "with_build_fim"]

@@ -32,18 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from tokenloom.errors import ConfigError
-
-#: The keys of Megatron-LM's ``fim_extra_tokens``, in its order.
-FIM_TOKEN_KEYS = ("prefix", "middle", "suffix", "pad", "eod")
+from tokenloom.source.fim_options import FIM_TOKEN_KEYS, FimOptions
 
 #: Each thread's generators for the rows of a micro-batch (``FimTransform._row_rngs``).
 _POOL = threading.local()
@@ -65,70 +61,6 @@ class FimCodec(Protocol):
 
     # Optional, for a micro-batch in two calls (FimTransform.apply_rows): ``decode_batch(list of
     # id lists) -> list[str]`` and ``encode_texts(texts) -> (ids back to back, lengths)``.
-
-
-def _rate(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{name}={value!r}; expected a probability in [0, 1]")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class FimOptions:
-    """FIM in Megatron-LM's vocabulary (``GPTFIMDatasetConfig``): ``rate`` is ``fim_rate``,
-    ``spm_rate`` ``fim_spm_rate``, ``extra_tokens`` ``fim_extra_tokens`` (the spelling of the
-    prefix, middle, suffix, pad and end-of-document tokens), ``split_sample``
-    ``fim_split_sample``, ``fragment_rate`` ``fim_fragment_rate``, ``no_prefix`` ``fim_no_prefix``."""
-
-    rate: float
-    """Probability that a piece of a sample (between end-of-document tokens) is permuted."""
-    extra_tokens: Mapping[str, str]
-    """The tokens' spellings by :data:`FIM_TOKEN_KEYS`, e.g. ``{"prefix": "<fim_prefix>", ...}``."""
-    spm_rate: float = 0.5
-    """Probability that a permuted piece is SPM rather than PSM."""
-    split_sample: str | None = None
-    """A token (e.g. a file separator) at which a piece is split again, each fragment permuted
-    on its own at ``fragment_rate``."""
-    fragment_rate: float | None = None
-    """Probability that a fragment is permuted (with ``split_sample``)."""
-    no_prefix: str | None = None
-    """A piece whose text starts with this is never permuted."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rate", _rate("fim_rate", self.rate))
-        object.__setattr__(self, "spm_rate", _rate("fim_spm_rate", self.spm_rate))
-        if not isinstance(self.extra_tokens, Mapping) or set(self.extra_tokens) != set(FIM_TOKEN_KEYS) \
-                or not all(isinstance(v, str) and v for v in self.extra_tokens.values()):
-            raise ConfigError(f"fim_extra_tokens={self.extra_tokens!r}; expected the spelling of each of "
-                              f"{', '.join(FIM_TOKEN_KEYS)}, e.g. {{'prefix': '<fim_prefix>', 'middle': "
-                              "'<fim_middle>', 'suffix': '<fim_suffix>', 'pad': '<fim_pad>', 'eod': '<|endoftext|>'}")
-        object.__setattr__(self, "extra_tokens", dict(self.extra_tokens))
-        if self.split_sample is not None:
-            if not isinstance(self.split_sample, str) or not self.split_sample:
-                raise ConfigError(f"fim_split_sample={self.split_sample!r}; expected the spelling of one token")
-            if self.fragment_rate is None:
-                raise ConfigError(f"fim_split_sample={self.split_sample!r} without fim_fragment_rate; each fragment "
-                                  "is permuted at that rate: give it (Megatron-LM fails on the first sample without)")
-        if self.fragment_rate is not None:
-            object.__setattr__(self, "fragment_rate", _rate("fim_fragment_rate", self.fragment_rate))
-        if self.no_prefix is not None and not isinstance(self.no_prefix, str):
-            raise ConfigError(f"fim_no_prefix={self.no_prefix!r}; expected a string or None")
-
-    @classmethod
-    def from_megatron(cls, values: Mapping[str, Any]) -> FimOptions:
-        """From Megatron-LM's names (``fim_rate``, ``fim_spm_rate``, ``fim_extra_tokens``,
-        ``fim_split_sample``, ``fim_fragment_rate``, ``fim_no_prefix``)."""
-        known = {"fim_rate": "rate", "fim_spm_rate": "spm_rate", "fim_extra_tokens": "extra_tokens",
-                 "fim_split_sample": "split_sample", "fim_fragment_rate": "fragment_rate",
-                 "fim_no_prefix": "no_prefix"}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown FIM key(s) {unknown}; expected {', '.join(known)}")
-        if "fim_rate" not in values or "fim_extra_tokens" not in values:
-            raise ConfigError("FIM needs fim_rate and fim_extra_tokens (the prefix, middle, suffix, pad and eod "
-                              "tokens)")
-        return cls(**{known[key]: value for key, value in values.items()})
 
 
 class FimTransform:
@@ -384,4 +316,4 @@ class FimTransform:
         return self._arrange(bool(rng.binomial(1, self.options.spm_rate)), prefix, middle, suffix)
 
 
-__all__ = ["FIM_TOKEN_KEYS", "FimCodec", "FimOptions", "FimTransform"]
+__all__ = ["FimCodec", "FimTransform"]

@@ -22,6 +22,7 @@ kernels and keys stay importable from their modules.
 
 from tokenloom import _moved
 from tokenloom.source.blended import BlendedSource
+from tokenloom.source.fim_options import FimOptions
 from tokenloom.source.memory import StatelessBlendSource, StoreBlendSource
 from tokenloom.source.protocol import DatasetInfo, PieceRows, SampleSource
 from tokenloom.source.provenance import Piece, SampleOrigin, steps_of
@@ -55,6 +56,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BlendedSource",
     "DatasetInfo",
+    "FimOptions",
     "Piece",
     "PieceRows",
     "SampleOrigin",

@@ -31,6 +31,7 @@ from tokenloom.index.blend import Blend
 from tokenloom.index.megatron_gpt import PAD_TOKEN_ID
 from tokenloom.index.schedule import SchedulePlan
 from tokenloom.io.s3 import settings
+from tokenloom.source.fim_options import FimSettings
 from tokenloom.source.protocol import DatasetInfo, Locator, PieceRows
 from tokenloom.source.provenance import SampleOrigin, find, where
 from tokenloom.source.readers import DatasetReader, resolve_eod
@@ -339,13 +340,14 @@ class BlendedSource:
                  seq_length: int, add_extra_token: bool, build_key: str, pad_id: int = PAD_TOKEN_ID,
                  name: str = "train", eod_ids: Sequence[int | None] | None = None,
                  budgets: Sequence[int | None] | None = None, schedule: ScheduleLocator | None = None,
-                 seq_lengths: Sequence[int] | None = None) -> None:
+                 seq_lengths: Sequence[int] | None = None, fim: FimSettings | None = None) -> None:
         """``weights`` are the datasets' target shares (summing to 1); ``eod_ids`` give each
         dataset's end-of-document id where its store has no tokenizer record (None: the records');
         ``budgets`` each dataset's token budget, where the build config gave budgets; ``schedule``
         the mixture schedule the split was built from (its targets change by phase), in either
         mode; ``seq_lengths`` each dataset's tokens per sample where a schedule changes it (its
-        datasets are then length runs; None: ``seq_length`` for every dataset)."""
+        datasets are then length runs; None: ``seq_length`` for every dataset); ``fim`` the
+        fill-in-the-middle of the build's config, which serving applies unless told otherwise."""
         if len(weights) != len(readers) or (eod_ids is not None and len(eod_ids) != len(readers)):
             raise ConfigError(f"{len(weights)} weights and {None if eod_ids is None else len(eod_ids)} EOD ids "
                               f"for {len(readers)} datasets; expected one of each per dataset")
@@ -359,6 +361,9 @@ class BlendedSource:
         self.schedule = schedule
         """The split's mixture schedule (a plan of several phases), or None: ``weights`` hold
         throughout."""
+        self.fim = fim
+        """The build config's fill-in-the-middle for this split (``BatchPipeline`` applies it
+        when its ``SampleOptions`` set none), or None."""
         self.backend: str | None = None
         """Gather kernel (a key of ``tokenloom.source.gather.GATHER_BACKENDS``); None: the default."""
         self._seq_length = int(seq_length)

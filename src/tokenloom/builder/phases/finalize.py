@@ -112,7 +112,8 @@ def open_result(ctx: BuildContext, plan: BuildPlan, build_key: str, built: set[s
                                      seq_length=ctx.config.seq_length,
                                      add_extra_token=ctx.config.add_extra_token,
                                      weights=split_weights(plan), timings=ctx.timings,
-                                     built_keys=frozenset(built), rank=ctx.rank, budgets=budgets(ctx))
+                                     built_keys=frozenset(built), rank=ctx.rank, budgets=budgets(ctx),
+                                     fim=ctx.config.fim, seed=ctx.config.seed)
         except Exception as exc:
             failure = failure_from(exc, rank=ctx.rank, phase="open", item=None)
     return result, failure
