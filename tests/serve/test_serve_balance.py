@@ -301,3 +301,17 @@ def test_grain_stream_places_the_hosts_rows_as_host_loader_does(memory_source):
     with pytest.raises(ConfigError, match="inter_document_masking=False"):
         GrainStream(memory_source, global_batch_size=8, shard=ShardOptions(shard_index=0, shard_count=2),
                     balance="attention")
+
+
+def test_the_data_geometry_file_carries_balance(tmp_path):
+    from tokenloom.planning import DataGeometry
+
+    plain = DataGeometry(seq_length=16, global_batch_size=16, micro_batch_size=2, data_parallel_size=4,
+                         gradient_accumulation_steps=2, train_iters=10)
+    assert "balance" not in plain.to_dict()  # files written before stay as they were
+    assert BatchGeometry.from_data_geometry(plain).balance is None
+    balanced = dataclasses.replace(plain, balance="attention")
+    loaded = DataGeometry.load(balanced.write(tmp_path / "geometry.yaml"))
+    assert loaded == balanced and BatchGeometry.from_data_geometry(loaded).balance == "attention"
+    with pytest.raises(ConfigError, match=r"DataGeometry\.balance='flops'; expected one of"):
+        dataclasses.replace(plain, balance="flops")

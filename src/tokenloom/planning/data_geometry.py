@@ -25,6 +25,8 @@ from tokenloom.validate import is_integer
 FORMAT_NAME = "tokenloom-data-geometry"
 FORMAT_VERSION = 1
 _DERIVED = ("train_samples", "valid_samples", "test_samples")
+_BALANCES = (None, "attention", "tokens")
+"""``balance``'s values: ``tokenloom.index.balance.BALANCES`` and None (planning imports no index)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +55,18 @@ class DataGeometry:
     """Pipeline stages per replica (informational for the loader)."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per stage (1 = no interleaving)."""
+    balance: str | None = None
+    """How the loader places each step's samples on the ranks: None (Megatron's order),
+    ``"attention"`` or ``"tokens"`` (by cost; ``tokenloom.serve.BatchGeometry.balance``, which
+    :meth:`BatchGeometry.from_data_geometry <tokenloom.serve.BatchGeometry.from_data_geometry>`
+    carries). Written to the file only when set."""
 
     def __post_init__(self) -> None:
+        if self.balance not in _BALANCES:
+            raise ConfigError(f"DataGeometry.balance={self.balance!r}; expected one of {list(_BALANCES)}")
         for f in fields(self):
+            if f.name == "balance":
+                continue
             value = getattr(self, f.name)
             minimum = 0 if f.name == "eval_iters" else 1
             if not is_integer(value) or value < minimum:
@@ -92,7 +103,8 @@ class DataGeometry:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the format tag, every field, and the derived sample counts."""
         out: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
-        out.update({f.name: getattr(self, f.name) for f in fields(self)})
+        out.update({f.name: getattr(self, f.name) for f in fields(self)
+                    if f.name != "balance" or self.balance is not None})
         out.update({name: getattr(self, name) for name in _DERIVED})
         return out
 

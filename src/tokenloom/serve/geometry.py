@@ -139,9 +139,9 @@ class BatchGeometry:
 
     @classmethod
     def from_data_geometry(cls, geometry, *, schedule: BatchSizeSchedule | None = None) -> BatchGeometry:
-        """From a :class:`tokenloom.plan.DataGeometry` (its checks already hold)."""
+        """From a :class:`tokenloom.plan.DataGeometry` (its checks already hold), its ``balance`` too."""
         return cls(global_batch_size=geometry.global_batch_size, micro_batch_size=geometry.micro_batch_size,
-                   dp=geometry.data_parallel_size, schedule=schedule)
+                   dp=geometry.data_parallel_size, schedule=schedule, balance=getattr(geometry, "balance", None))
 
     def with_dp(self, dp: int) -> BatchGeometry:
         """The same batches on another data-parallel size (the micro-batch stays)."""
