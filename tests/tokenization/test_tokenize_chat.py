@@ -305,3 +305,24 @@ def test_spans_encode_nothing_so_the_tokenizer_is_not_scanned(chat_tokenizer, tm
         tokenizer=chat_tokenizer, input_format="spans", workers=0))
     assert (summary.engine, summary.engine_note, summary.divergent_code_points) == ("none", "pre-tokenized input", None)
     assert summary.loss_tokens == 2 and summary.num_tokens == 4  # the EOD appended, outside the loss
+
+
+def test_tokens_merging_across_a_message_boundary_are_refused_and_skipped_whole(chat_tokenizer, tmp_path):
+    from tokenloom.errors import InputError
+
+    # Megatron's identity template joins the contents bare: "de" + "f main():" is "def main():" whole
+    plain = _template_file(tmp_path, "{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    merging = {"messages": [{"role": "user", "content": "de"}, {"role": "assistant", "content": "f main():"}]}
+    # a good conversation, then (after a system message) the merging one
+    two = {"messages": [*GOOD_CHAT["messages"], {"role": "system", "content": "Code."}, *merging["messages"]]}
+    inputs = write_jsonl(tmp_path / "chat.jsonl", [GOOD_CHAT, two, merging, GOOD_CHAT])
+    config = dict(tokenizer=chat_tokenizer, input_format="chat", workers=0, chat_template=plain)
+    with pytest.raises(InputError, match=r"chat\.jsonl:2: the conversation's tokens differ from its messages' tokens "
+                       r"one after another from token \d+"):
+        tokenize_to_store([inputs], str(tmp_path / "out"), TokenizeConfig(**config))
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]
+    summary = tokenize_to_store([inputs], str(tmp_path / "out"), TokenizeConfig(**config, skip_bad=True))
+    assert summary.skipped == {"template_error": 2}  # line 2 whole (its good conversation too) and line 3
+    store = IndexedDataset(str(tmp_path / "out"))
+    assert len(store) == 2 and store[0].tolist() == store[1].tolist()
+    assert store.get_loss_mask(0).tolist() == store.get_loss_mask(1).tolist()
