@@ -17,7 +17,15 @@ from tokenloom.cli import main as cli_main
 from tokenloom.errors import ConfigError
 from tokenloom.index import CostModel
 from tokenloom.index.balance import served_document_pairs, slot_costs
-from tokenloom.serve import BatchGeometry, BatchSizeSchedule, RankLoader, SampleOptions, Topology
+from tokenloom.serve import (
+    BatchGeometry,
+    BatchSizeSchedule,
+    MixtureAudit,
+    RankLoader,
+    SampleOptions,
+    Topology,
+    read_audit_log,
+)
 from tokenloom.serve.balance import balance_report, batch_costs, slots_of
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.simulate import simulate_job
@@ -57,11 +65,16 @@ def _pairs(cu_seqlens: np.ndarray) -> np.ndarray:
     return (documents * (documents + 1) // 2).sum(axis=-1)
 
 
-def test_a_balanced_job_serves_the_same_samples_and_fields_and_evens_the_ranks(split):
+def test_a_balanced_job_serves_the_same_samples_and_fields_and_evens_the_ranks(split, tmp_path):
     topology = Topology(dp=4, tp=2, pp=2)
-    plain = simulate_job(split, _geometry(4, balance=None), topology, num_steps=6, options=MASKING)
-    balanced = simulate_job(split, _geometry(4), topology, num_steps=6, options=MASKING)
+    plain = simulate_job(split, _geometry(4, balance=None), topology, num_steps=6, options=MASKING,
+                         audit=MixtureAudit(tmp_path / "plain.jsonl"))
+    balanced = simulate_job(split, _geometry(4), topology, num_steps=6, options=MASKING,
+                            audit=MixtureAudit(tmp_path / "balanced.jsonl"))
     assert balanced.state == plain.state
+    fingerprints = [[r["fingerprint"] for r in read_audit_log(tmp_path / f"{name}.jsonl").records]
+                    for name in ("plain", "balanced")]
+    assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 6
     moved = 0
     for step, (ours, theirs) in enumerate(zip(balanced.global_batches, plain.global_batches)):
         for name, value in theirs.items():  # bit-identical per sample, in stream order
