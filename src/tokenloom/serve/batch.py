@@ -284,9 +284,10 @@ def check_fim_unmasked(source: SampleSource, permuted: np.ndarray) -> None:
         return
     masked = [source.datasets[d].name for d in np.flatnonzero(permuted).tolist() if has_mask(d)]
     if masked:
-        raise ConfigError(f"SampleOptions.fim would permute {masked[:5]}{' ...' if len(masked) > 5 else ''}, whose "
-                          "stores carry a loss mask (PREFIX.mask); FIM re-tokenizes a sample's text, so its tokens "
-                          "have no mask to take: list only unmasked stores in fim_stores")
+        raise ConfigError(f"fill-in-the-middle (SampleOptions.fim, or the build config's fim) would permute "
+                          f"{masked[:5]}{' ...' if len(masked) > 5 else ''}, whose stores carry a loss mask "
+                          "(PREFIX.mask); FIM re-tokenizes a sample's text, so its tokens have no mask to take: "
+                          "name only unmasked stores among the stores FIM permutes")
 
 
 def check_pieces(source: SampleSource) -> None:
