@@ -215,3 +215,30 @@ def test_the_torch_and_grain_adapters_carry_the_masks(source, corpus):
     _, _, loss = _reference(source, corpus, np.arange(6), SampleOptions(eod_mask_loss=True))
     for position in range(6):
         np.testing.assert_array_equal(records[position]["loss_mask"], loss[position])
+
+
+def test_a_padded_validation_sample_keeps_its_padding_out_of_the_loss(corpus):
+    """megatron-core's short last validation sample (drop_last_partial=False): its masks end where
+    its tokens do, and the padding after them is outside the loss."""
+    from tokenloom.source import StoreBlendSource
+
+    chat = next(prefix for prefix in corpus if prefix.endswith("chat"))
+    docs, masks = corpus[chat]
+    source = StoreBlendSource.from_prefixes([chat], num_samples=10, seq_length=SEQ, split="80,20,0",
+                                            split_name="valid", drop_last_partial=False, seed=4)
+    sample_ids = np.arange(source.readers[0].num_samples)  # every sample of the index, the short one too
+    dataset_ids = np.zeros_like(sample_ids)
+    rows = source.read_samples(dataset_ids, sample_ids)
+    assert (rows == source.pad_id).any()
+    spans = source.readers[0].spans(sample_ids)
+    for k in range(sample_ids.shape[0]):  # the pieces are the row, then padding
+        pieces = range(spans.bounds[k], spans.bounds[k + 1])
+        row = np.concatenate([docs[spans.document_ids[j]][spans.offsets[j]:spans.offsets[j] + spans.lengths[j]]
+                              for j in pieces])
+        mask = np.concatenate([masks[spans.document_ids[j]][spans.offsets[j]:spans.offsets[j] + spans.lengths[j]]
+                               for j in pieces])
+        np.testing.assert_array_equal(rows[k, :row.shape[0]], row)
+        padded_mask = np.concatenate([mask, np.ones(SEQ + 1 - mask.shape[0], np.uint8)])
+        want = padded_mask[1:] * (rows[k, 1:] != source.pad_id)
+        np.testing.assert_array_equal(BatchPipeline(source).read(dataset_ids[k:k + 1], sample_ids[k:k + 1])
+                                      ["loss_mask"][0], want)
