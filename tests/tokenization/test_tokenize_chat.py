@@ -103,9 +103,12 @@ def test_chat_tokens_and_mask_are_megatron_sft_datasets(chat_tokenizer, chat_rec
     _, megatron_dataset = _megatron_sft(chat_tokenizer, prompt_format,
                                           template=template if name == "chatml" else None, prefix=prefix)
     inputs = write_jsonl(tmp_path / "chat.jsonl", chat_records)
+    # ChatML's header is counted from the template ("auto"); Megatron is given the count by hand
     config = TokenizeConfig(tokenizer=chat_tokenizer, input_format="chat", append_eod=False, workers=0,
-                            chat_template=_template_file(tmp_path, template), assistant_prefix_tokens=prefix)
+                            chat_template=_template_file(tmp_path, template),
+                            assistant_prefix_tokens="auto" if name == "chatml" else prefix)
     summary = tokenize_to_store([inputs], str(tmp_path / "chat"), config)
+    assert summary.assistant_prefix_tokens == prefix
     store = IndexedDataset(str(tmp_path / "chat"))
     assert store.has_loss_mask and len(store) == summary.num_documents == sum(map(_conversations_per_record,
                                                                                   chat_records))
@@ -326,3 +329,21 @@ def test_tokens_merging_across_a_message_boundary_are_refused_and_skipped_whole(
     store = IndexedDataset(str(tmp_path / "out"))
     assert len(store) == 2 and store[0].tolist() == store[1].tolist()
     assert store.get_loss_mask(0).tolist() == store.get_loss_mask(1).tolist()
+
+
+def test_auto_header_needs_the_content_written_as_given(chat_tokenizer, tmp_path):
+    from tokenloom.errors import ConfigError
+
+    shouting = _template_file(tmp_path, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}"
+                              "<|im_end|>\n{% endfor %}")
+    inputs = write_jsonl(tmp_path / "chat.jsonl", [GOOD_CHAT])
+    with pytest.raises(ConfigError, match=r"assistant_prefix_tokens='auto' cannot find an assistant message's content "
+                       r"in its rendering \(\"<\|im_start\|>assistant\\nTOKENLOOM FINDS"):
+        tokenize_to_store([inputs], str(tmp_path / "out"), TokenizeConfig(
+            tokenizer=chat_tokenizer, input_format="chat", workers=0, chat_template=shouting,
+            assistant_prefix_tokens="auto"))
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("out")]
+    with pytest.raises(ConfigError, match="expected an int >= 0 or 'auto'"):
+        TokenizeConfig(input_format="chat", assistant_prefix_tokens=-1)
+    with pytest.raises(ConfigError, match="apply to input_format='chat', not 'jsonl'"):
+        TokenizeConfig(input_format="jsonl", assistant_prefix_tokens="auto")

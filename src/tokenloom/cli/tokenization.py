@@ -26,6 +26,14 @@ def _byte_size(text: str) -> int:
     return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2).lower()]
 
 
+def _prefix_tokens(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of tokens (0, 1, ...) nor 'auto'")
+    return int(text)
+
+
 def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``tokenize`` on ``subparsers`` and return its parser."""
     p = subparsers.add_parser(
@@ -58,9 +66,10 @@ def add_tokenize_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="chat: a Jinja chat template (default: the tokenizer's own, chat_template in "
                    "tokenizer_config.json or chat_template.jinja beside tokenizer.json)")
-    p.add_argument("--assistant-prefix-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--assistant-prefix-tokens", type=_prefix_tokens, default=0, metavar="N|auto",
                    help="chat: keep the first N tokens of each assistant turn (its role header) outside the loss, "
-                   "as Megatron-LM's assistant_prefix_len (default 0: the whole turn is in the loss)")
+                   "as Megatron-LM's assistant_prefix_len; auto counts the tokens the template writes before an "
+                   "assistant message's content (default 0: the whole turn is in the loss)")
     p.add_argument("--text-key", default="text", metavar="KEY",
                    help="JSONL field with the text; a.b for nested objects (default: text)")
     p.add_argument("--column", default="text", metavar="NAME", help="Parquet column with the text (default: text)")
@@ -148,8 +157,10 @@ def _format_summary(summary) -> str:
         lines.append(_identity(summary))
     if summary.loss_tokens is not None:
         share = summary.loss_tokens / summary.num_tokens if summary.num_tokens else 0.0
+        header = ("" if not summary.assistant_prefix_tokens else
+                  f"; each assistant turn's first {_count(summary.assistant_prefix_tokens, 'token')} outside it")
         lines.append(f"loss mask {summary.prefix}.mask: {_count(summary.loss_tokens, 'token')} in the loss "
-                     f"({share:.1%})")
+                     f"({share:.1%}){header}")
     if summary.num_skipped:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in summary.skipped.items())
         lines.append(f"skipped {_count(summary.num_skipped, 'bad record')} ({reasons})")

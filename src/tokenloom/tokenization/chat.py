@@ -400,12 +400,38 @@ def _tokens_differ(rendered, whole, by_turn, whole_lengths, turn_sums) -> list[t
     return bad
 
 
-def check_prefix_tokens(value: Any) -> int:
-    """``assistant_prefix_tokens`` as an int >= 0, or ConfigError."""
+def check_prefix_tokens(value: Any) -> int | str:
+    """``assistant_prefix_tokens`` as an int >= 0 or ``"auto"``, or ConfigError."""
+    if value == "auto":
+        return value
     if not is_integer(value) or value < 0:
-        raise ConfigError(f"assistant_prefix_tokens {value!r}, expected an int >= 0 (the tokens of an assistant "
-                          "turn's role header kept outside the loss; Megatron's assistant_prefix_len)")
+        raise ConfigError(f"assistant_prefix_tokens {value!r}, expected an int >= 0 or 'auto' (the tokens of an "
+                          "assistant turn's role header kept outside the loss; Megatron's assistant_prefix_len)")
     return int(value)
+
+
+_PROBE_CONTENT = "tokenloom finds the assistant's header before this content"
+
+
+def assistant_header_tokens(template: ChatTemplate, encode: Callable[[list[str]], tuple]) -> int:
+    """``assistant_prefix_tokens="auto"``: the number of tokens of what the template writes before an
+    assistant message's content, found once by rendering one assistant message alone and encoding
+    the text before its content (``encode(texts)`` returns ``(tokens, lengths, ...)``). Megatron's
+    ``assistant_prefix_len`` is such a count, written by hand per prompt format; counting it from
+    the template gives the same mask without knowing how the tokenizer splits the header.
+    ConfigError when the template cannot render a lone assistant message or does not write its
+    content as given."""
+    try:
+        text = template.render([{"role": "assistant", "content": _PROBE_CONTENT}])
+    except Exception as exc:
+        raise ConfigError(f"{template.origin}: assistant_prefix_tokens='auto' renders one assistant message alone to "
+                          f"find its header, and the template failed: {type(exc).__name__}: {exc}; give the count "
+                          "(assistant_prefix_tokens=N)") from exc
+    at = text.find(_PROBE_CONTENT)
+    if at < 0:
+        raise ConfigError(f"{template.origin}: assistant_prefix_tokens='auto' cannot find an assistant message's "
+                          f"content in its rendering ({text[:80]!r}); give the count (assistant_prefix_tokens=N)")
+    return int(encode([text[:at]])[1][0]) if at else 0
 
 
 __all__ = [
@@ -413,6 +439,7 @@ __all__ = [
     "ChatTemplate",
     "EncodedConversations",
     "RenderedConversation",
+    "assistant_header_tokens",
     "check_prefix_tokens",
     "conversations_of",
     "encode_conversations",

@@ -39,6 +39,7 @@ from tokenloom.io import IndexedDatasetWriter, dtype_for_vocab
 from tokenloom.tokenization.chat import (
     ChatTemplate,
     RenderedConversation,
+    assistant_header_tokens,
     check_prefix_tokens,
     conversations_of,
     encode_conversations,
@@ -96,9 +97,11 @@ class TokenizeConfig:
     """``"chat"``: a Jinja chat template file; None takes the tokenizer's own (``chat_template``
     in ``tokenizer_config.json`` beside it, or ``chat_template.jinja``)."""
 
-    assistant_prefix_tokens: int = 0
+    assistant_prefix_tokens: int | str = 0
     """``"chat"``: the first tokens of each assistant turn kept outside the loss (its role header;
-    Megatron-LM's ``PromptConfig.assistant_prefix_len``); 0 puts the whole turn in the loss."""
+    Megatron-LM's ``PromptConfig.assistant_prefix_len``); 0 puts the whole turn in the loss;
+    ``"auto"`` counts the tokens the template writes before an assistant message's content
+    (:func:`~tokenloom.tokenization.chat.assistant_header_tokens`)."""
 
     text_key: str = "text"
     """JSONL field holding the text; ``"a.b"`` reaches into nested objects."""
@@ -148,7 +151,7 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         check_engine(self.engine)
-        check_prefix_tokens(self.assistant_prefix_tokens)
+        object.__setattr__(self, "assistant_prefix_tokens", check_prefix_tokens(self.assistant_prefix_tokens))
         if (self.chat_template is not None or self.assistant_prefix_tokens) and self.input_format != "chat":
             raise ConfigError(f"chat_template {self.chat_template!r} and assistant_prefix_tokens "
                               f"{self.assistant_prefix_tokens!r} apply to input_format='chat', not "
@@ -167,7 +170,7 @@ class TokenizeConfig:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r}, expected a positive int (e.g. {1 << 20})")
         if self.eod_id is not None and (not is_integer(self.eod_id) or self.eod_id < 0):
             raise ConfigError(f"eod_id {self.eod_id!r}, expected a non-negative int or None")
-        for name in ("workers", "chunk_bytes", "eod_id", "assistant_prefix_tokens"):  # numpy ints become ints
+        for name in ("workers", "chunk_bytes", "eod_id"):  # numpy integers become plain ints
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -240,6 +243,9 @@ class TokenizeSummary:
 
     loss_tokens: int | None = None
     """Of a store with a loss mask (chat and spans input): the tokens in the loss; else None."""
+
+    assistant_prefix_tokens: int | None = None
+    """Of chat input: the tokens of each assistant turn kept outside the loss (``"auto"`` resolved)."""
 
     @property
     def num_skipped(self) -> int:
@@ -703,13 +709,16 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         route()  # before the workers start: they share (or are sent) its result
     record = tokenizer.record(append_eod=config.append_eod)
     dtype = np.dtype(dtype_for_vocab(record.vocab_size))
-    template = None
+    template, prefix_tokens = None, None
     if config.input_format == "chat":
         template = load_chat_template(getattr(tokenizer, "path", config.tokenizer), config.chat_template)
+        prefix_tokens = config.assistant_prefix_tokens
+        if prefix_tokens == "auto":
+            prefix_tokens = assistant_header_tokens(template, functools.partial(_encode, tokenizer))
     job = _EncodeJob(
         records=config.input_format if config.input_format in RECORD_FORMATS else "text",
         template=template,
-        assistant_prefix_tokens=config.assistant_prefix_tokens,
+        assistant_prefix_tokens=prefix_tokens or 0,
         tokenizer=tokenizer,
         text_key=config.text_key,
         append_eod=config.append_eod,
@@ -745,7 +754,7 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
             if progress is not None:
                 progress(int(batch.lengths.size), int(batch.tokens.size), task.input_bytes)
         metadata = store_metadata(record, files, config, documents=num_documents, tokens=num_tokens,
-                                  empty=num_empty, skipped=skipped)
+                                  empty=num_empty, skipped=skipped, assistant_prefix_tokens=prefix_tokens)
         writer.finalize(metadata)
     except BaseException:
         writer.abort()
@@ -766,6 +775,7 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         **(engine_report(tokenizer, verify=config.verify) if not pretokenized else {}),
         routed_documents=routed,
         loss_tokens=loss_tokens,
+        assistant_prefix_tokens=prefix_tokens,
     )
     logger.info("wrote %s: %d documents, %d tokens, skipped %s", writer.prefix, num_documents, num_tokens,
                 dict(summary.skipped))
@@ -782,8 +792,10 @@ def engine_report(tokenizer: Tokenizer, *, verify: bool) -> dict:
 
 
 def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: TokenizeConfig, *,
-                   documents: int, tokens: int, empty: int, skipped: Mapping[str, int]) -> dict:
-    """The ``.meta.json`` of a tokenized store: the tokenizer record and what was read."""
+                   documents: int, tokens: int, empty: int, skipped: Mapping[str, int],
+                   assistant_prefix_tokens: int | None = None) -> dict:
+    """The ``.meta.json`` of a tokenized store: the tokenizer record and what was read (of chat
+    input, the template file and ``assistant_prefix_tokens``, resolved where given)."""
     return {
         "tokenizer": record.to_dict(),
         "source": {
@@ -792,8 +804,9 @@ def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: 
             "text_key": config.text_key,
             "column": config.column,
             "lines": config.lines,
-            **({"chat_template": config.chat_template, "assistant_prefix_tokens": config.assistant_prefix_tokens}
-               if config.input_format == "chat" else {}),
+            **({"chat_template": config.chat_template,
+                "assistant_prefix_tokens": config.assistant_prefix_tokens if assistant_prefix_tokens is None
+                else assistant_prefix_tokens} if config.input_format == "chat" else {}),
             "documents": documents,
             "tokens": tokens,
             "empty_documents": empty,
