@@ -200,3 +200,38 @@ def test_fim_in_the_build_config_permutes_its_stores_when_served(setup, tmp_path
         tokenloom.build({**values, "blend": [*values["blend"], "0.1", "bytes"], "fim": {**fim, "stores": ["bytes"]}})
     with pytest.raises(ConfigError, match=r"fim.stores names 'gone', which is not a store of this config"):
         tokenloom.build({**values, "fim": {**fim, "stores": ["gone"]}})
+
+
+def test_a_best_fit_sample_is_permuted_in_its_documents_and_keeps_its_padding(setup, tmp_path):
+    """Best fit pads a sample after its whole documents; FIM permutes the documents alone (as
+    ``apply`` on the columns before the padding), keeps them to that length, and leaves the
+    padding, which stays outside the loss and after the last document boundary."""
+    import tokenloom
+    from tokenloom.io import IndexedDataset
+
+    codec, source = setup
+    eod = codec.token_id("<|endoftext|>")
+    for reader, name in zip(source.readers, ("code", "prose")):
+        store = IndexedDataset(reader.prefix)
+        docs = [store[i] if i % 4 == 0 else np.append(store[i][:40], eod) for i in range(len(store))]  # short ones too
+        _hf_store(str(tmp_path / name), docs, codec)
+    fim = {"fim_rate": 0.9, "fim_spm_rate": 0.5, "fim_extra_tokens": FIM_EXTRA_TOKENS, "stores": ["code"]}
+    values = {"blend": ["0.6", "code", "0.4", "prose"], "split": "100,0,0", "samples": [96, 0, 0],
+              "seq_length": SEQ, "seed": 5, "mode": "stateless", "packing": "best_fit", "cache_dir": "cache",
+              "base_dir": str(tmp_path)}
+    train = tokenloom.build({**values, "fim": fim}).split("train")
+    transform = BatchPipeline(train).options.fim
+    dataset_ids, sample_ids = train.locate(np.arange(96))
+    rows = train.read_samples(dataset_ids, sample_ids)
+    got = BatchPipeline(train, options=SampleOptions(inter_document_masking=True)).read(dataset_ids, sample_ids)
+    padded = 0
+    for k in np.flatnonzero(dataset_ids == 0).tolist():
+        n = int(np.flatnonzero(rows[k] != train.pad_id)[-1]) + 1
+        padded += n < rows.shape[1]
+        row = np.concatenate([transform.apply(rows[k, :n], transform.sample_rng(0, int(sample_ids[k]))),
+                              rows[k, n:]])
+        np.testing.assert_array_equal(got["tokens"][k][:min(n, SEQ)], row[:min(n, SEQ)])
+        np.testing.assert_array_equal(got["labels"][k][:n - 1], row[1:n])
+        assert not got["loss_mask"][k][n - 1:].any()  # the padding: no loss
+        assert got["cu_seqlens"][k][got["cu_seqlens"][k] >= 0].max() <= rows.shape[1] - 1
+    assert padded >= 2  # the store is small (8 code documents): a few padded samples

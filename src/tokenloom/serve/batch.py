@@ -138,10 +138,11 @@ class BatchPipeline:
             return rows, pieces, permuted
         fim = self.options.fim
         rows = rows.copy()
-        rows[permuted] = fim.apply_rows(rows[permuted], dataset_ids[permuted], sample_ids[permuted])
+        lengths = unpadded_lengths(rows[permuted], self.source.pad_id)
+        rows[permuted] = fim.apply_rows(rows[permuted], dataset_ids[permuted], sample_ids[permuted], lengths)
         if pieces is not None:
             ends, counts = pieces[0].copy(), pieces[1].copy()
-            ends[permuted], counts[permuted] = fim.pieces(rows[permuted])
+            ends[permuted], counts[permuted] = fim.pieces(rows[permuted], lengths)
             pieces = (ends, counts)
         return rows, pieces, permuted
 
@@ -247,6 +248,17 @@ def fim_datasets(source: SampleSource, options: SampleOptions) -> np.ndarray:
     return chosen
 
 
+def unpadded_lengths(rows: np.ndarray, pad_id: int) -> np.ndarray | None:
+    """``(B,)`` int64: each row's columns before its trailing run of the source's pad id (a
+    best-fit sample's documents; FIM permutes those alone), or None when the pad id is a token id
+    (not negative: a row cannot tell padding from tokens; concatenated samples have none)."""
+    if pad_id >= 0 or not rows.size:
+        return None
+    real = rows != pad_id  # (B, W)
+    width = rows.shape[1]
+    return np.where(real.any(axis=1), width - np.argmax(real[:, ::-1], axis=1), 0).astype(np.int64)
+
+
 def with_build_fim(source: SampleSource, options: SampleOptions) -> SampleOptions:
     """``options``, with the FIM of the build's config (``source.fim``, a
     :class:`~tokenloom.source.fim_options.FimSettings`) when they set none: its stores that are in
@@ -312,4 +324,4 @@ def check_eod(source: SampleSource, options: SampleOptions) -> None:
 
 
 __all__ = ["BatchPipeline", "FieldSpec", "check_eod", "check_fim_unmasked", "check_pieces", "field_schema",
-           "fim_datasets", "finish_micro_batch", "label_loss_mask", "read_fields", "with_build_fim"]
+           "fim_datasets", "finish_micro_batch", "label_loss_mask", "read_fields", "unpadded_lengths", "with_build_fim"]

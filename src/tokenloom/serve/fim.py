@@ -82,18 +82,20 @@ class FimTransform:
     def __repr__(self) -> str:  # what a grain checkpoint compares: no addresses
         return f"FimTransform({self.options!r}, codec={self.codec!r}, seed={self.seed})"
 
-    def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pieces(self, rows: np.ndarray, lengths=None) -> tuple[np.ndarray, np.ndarray]:
         """The document pieces of permuted ``rows`` ``(B, W)`` as a source reports them
         (:class:`~tokenloom.source.protocol.PieceRows`' ``ends`` ``(B, W + 1)`` and ``counts``
         ``(B,)``): a piece ends after each end-of-document token, and the last after the last
-        column that is not the pad token (the pad tokens after it are padding). The index's own
-        pieces no longer hold: a permuted piece has other lengths."""
+        column that is not the pad token (the pad tokens after it are padding), within each
+        row's ``lengths`` (the columns before the source's own padding; None: all). The index's
+        own pieces no longer hold: a permuted piece has other lengths."""
         rows = np.asarray(rows)
         batch, width = rows.shape
+        lengths = np.full(batch, width, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
         ends = np.full((batch, width + 1), width, dtype=np.int32)  # (B, W + 1)
         counts = np.empty(batch, dtype=np.int32)  # (B,)
         for r in range(batch):
-            row = rows[r]
+            row = rows[r, :int(lengths[r])]
             real = np.flatnonzero(row != self.pad_id)
             last = int(real[-1]) + 1 if real.shape[0] else 1  # a row of pad tokens: one (empty-text) piece
             mine = np.flatnonzero(row[:last] == self.eod_id) + 1
@@ -153,25 +155,29 @@ class FimTransform:
             out = self._split_and_permute(sample, rng)
         return self._fit(out, length)
 
-    def apply_rows(self, rows: np.ndarray, dataset_ids, sample_ids) -> np.ndarray:
+    def apply_rows(self, rows: np.ndarray, dataset_ids, sample_ids, lengths=None) -> np.ndarray:
         """``(B, W)`` rows, each permuted with its own sample's generator (a new array): the
         same ids as :meth:`apply` row by row, with the tokenizer called a few times per
         micro-batch rather than per piece (the texts the rows wait on decoded together, every cut
         part encoded in one call), where the codec has ``decode_batch`` and ``encode_texts``:
-        called piece by piece, they cost most of FIM."""
+        called piece by piece, they cost most of FIM. ``lengths``: each row's columns before
+        its source's padding (a best-fit sample's whole documents; None: every column), which
+        alone are permuted, kept to that length, the padding after them left as it is."""
         rows = np.asarray(rows, dtype=np.int64)
+        width = rows.shape[1]
+        widths = [width] * rows.shape[0] if lengths is None else np.asarray(lengths, dtype=np.int64).tolist()
         decode_batch = getattr(self.codec, "decode_batch", None)
         encode_texts = getattr(self.codec, "encode_texts", None)
+        out = rows.copy()  # the source's padding stays
         if decode_batch is None or encode_texts is None:
-            out = np.empty_like(rows)
             for k, (d, s) in enumerate(zip(np.asarray(dataset_ids).tolist(), np.asarray(sample_ids).tolist())):
-                out[k] = self.apply(rows[k], self.sample_rng(d, s))
+                out[k, :widths[k]] = self.apply(rows[k, :widths[k]], self.sample_rng(d, s))
             return out
         # 1. the draws, row by row from each sample's generator, in Megatron-LM's order: a row's
         # draws stop where they need a run's text (how far it may be cut), and the runs every row
         # waits on are decoded in one call, until every row has drawn all it needs
         rngs = self._row_rngs(dataset_ids, sample_ids)
-        drawing = [self._row_draws(self._layout(row), rng) for row, rng in zip(rows, rngs)]
+        drawing = [self._row_draws(self._layout(row[:n]), rng) for row, n, rng in zip(rows, widths, rngs)]
         plans: list = [None] * len(drawing)
         waiting = {}
         for k, draws in enumerate(drawing):
@@ -188,9 +194,8 @@ class FimTransform:
         tokens, lengths = encode_texts(strings) if strings else (np.zeros(0, np.int64), np.zeros(0, np.int64))
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         encoded = iter(np.asarray(tokens, dtype=np.int64)[a:b] for a, b in itertools.pairwise(bounds))
-        out = np.empty_like(rows)
         for k, plan in enumerate(plans):
-            out[k] = self._fit(self._join(plan, encoded), rows.shape[1])
+            out[k, :widths[k]] = self._fit(self._join(plan, encoded), widths[k])
         return out
 
     def _layout(self, row: np.ndarray) -> list[tuple[bool, list, list]]:
