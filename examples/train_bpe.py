@@ -8,6 +8,10 @@ gets id 0; pass ``--eod-id 0`` to ``tokenloom tokenize`` so that it ends every d
 ``--chat`` adds ChatML's ``<|im_start|>`` and ``<|im_end|>`` as special tokens and writes a
 ``tokenizer_config.json`` beside the tokenizer with its ``eos_token`` and a ChatML
 ``chat_template``, which ``tokenloom tokenize --input-format chat`` renders conversations with.
+``--fim`` adds the fill-in-the-middle sentinels as StarCoder spells them (``<fim_prefix>``,
+``<fim_middle>``, ``<fim_suffix>``, ``<fim_pad>``) as special tokens, for a build config's
+``fim: fim_extra_tokens`` to name, so a code store tokenized with it can be served with FIM; the
+two combine (one tokenizer for a blend of code, prose and chat stores).
 Needs the ``tokenizers`` library (``pip install "tokenloom[tokenizers]"``).
 """
 
@@ -23,6 +27,9 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['ro
                    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                    "{% endif %}")
 """ChatML: each message opens with its role's header and ends with ``<|im_end|>``."""
+FIM_TOKENS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>")
+"""The sentinels of Megatron-LM's ``fim_extra_tokens`` (prefix, middle, suffix, pad) as
+StarCoder spells them; the fifth, ``eod``, is ``<|endoftext|>``."""
 
 
 def texts(paths: list[str], key: str):
@@ -45,6 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--text-key", default="text")
     parser.add_argument("--chat", action="store_true",
                         help="add ChatML's special tokens and a tokenizer_config.json with a ChatML chat template")
+    parser.add_argument("--fim", action="store_true",
+                        help="add the fill-in-the-middle sentinels " + ", ".join(FIM_TOKENS) + " as special tokens")
     args = parser.parse_args(argv)
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,7 +61,7 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", *(CHATML_TOKENS if args.chat else ())]
+    specials = ["<|endoftext|>", *(CHATML_TOKENS if args.chat else ()), *(FIM_TOKENS if args.fim else ())]
     trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts(args.inputs, args.text_key), trainer=trainer)
@@ -64,6 +73,8 @@ def main(argv=None) -> int:
         with open(config_path, "w", encoding="utf-8") as f:
             json.dump({"eos_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}, f, indent=1)
         written = f", ChatML chat template in {os.path.join(os.path.dirname(args.output), 'tokenizer_config.json')}"
+    if args.fim:
+        written += f", FIM sentinels {tokenizer.token_to_id(FIM_TOKENS[0])}-{tokenizer.token_to_id(FIM_TOKENS[-1])}"
     print(f"wrote {args.output}: byte-level BPE, {tokenizer.get_vocab_size():,} ids, <|endoftext|> = "
           f"{tokenizer.token_to_id('<|endoftext|>')}{written}")
     return 0
