@@ -17,7 +17,8 @@ from tokenloom.errors import ConfigError
 from tokenloom.io import IndexedDatasetWriter
 from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions, Topology
 from tokenloom.serve.batch import BatchPipeline
-from tokenloom.serve.fim import FimOptions, FimTransform
+from tokenloom.serve.fim import FimTransform
+from tokenloom.source import FimOptions
 
 EOD, SEQ = 999, 24
 
