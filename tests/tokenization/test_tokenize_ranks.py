@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def _run(corpus, output, ranks: int, *extra, expect: int = 0) -> subprocess.Comp
     return result
 
 
-def _run_ranks(corpus, output, ranks: int) -> list[subprocess.CompletedProcess]:
+def _run_ranks(corpus, output, ranks: int, *extra) -> list[subprocess.CompletedProcess]:
     """The same command on ``ranks`` processes started directly (torchrun's environment, without
     its agent, which stops the other ranks as soon as one fails): each rank's own outcome."""
     port = _free_port()
@@ -66,7 +67,7 @@ def _run_ranks(corpus, output, ranks: int) -> list[subprocess.CompletedProcess]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "tokenize", str(corpus), "--output",
-                                       str(output), "--workers", "0", "--chunk-size", "4096"], env=env,
+                                       str(output), "--workers", "0", "--chunk-size", "4096", *extra], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for proc in procs:
@@ -75,8 +76,8 @@ def _run_ranks(corpus, output, ranks: int) -> list[subprocess.CompletedProcess]:
     return results
 
 
-def _files(prefix) -> dict[str, bytes]:
-    return {suffix: open(f"{prefix}{suffix}", "rb").read() for suffix in (".bin", ".idx", ".meta.json")}
+def _files(prefix, suffixes=(".bin", ".idx", ".meta.json")) -> dict[str, bytes]:
+    return {suffix: open(f"{prefix}{suffix}", "rb").read() for suffix in suffixes}
 
 
 def test_every_number_of_ranks_writes_the_one_process_store(corpus, tmp_path):
@@ -178,3 +179,110 @@ def test_a_killed_rank_fails_the_others_long_before_the_timeout(corpus, tmp_path
         assert outcome["error"] is not None and "BuildError" in outcome["error"], report
         assert "killed or hung" in outcome["error"], report
         assert outcome["seconds"] < 8.0, report  # the group's timeout is 60 s, the survivors live 12 s
+
+
+# -- chat input: the loss mask and the summary ----------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory):
+    """Chat JSONL in three files (a big one split between two ranks, a gzipped one that goes whole,
+    a small one) and the tokenizer with a ChatML template that reads them."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from chat_fixtures import make_conversations, train_chat_tokenizer, write_jsonl
+
+    tokenizer = train_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"))
+    root = tmp_path_factory.mktemp("chat")
+    records = make_conversations(160, seed=11)
+    write_jsonl(root / "a_big.jsonl", records[:110])
+    with gzip.open(root / "b_small.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records[110:140])
+    write_jsonl(root / "c_last.jsonl", records[140:])
+    return root, tokenizer
+
+
+CHAT_FLAGS = ("--input-format", "chat", "--assistant-prefix-tokens", "auto", "--engine", "hf")
+"""``hf``: no code point scan for gigatoken (tens of seconds here; the ids are the same either way,
+test_tokenize_identity holds them to each other)."""
+
+
+def _copy_corpus(root, target):
+    target.mkdir()
+    for path in root.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def _two_ranks_as_one_process(root, tmp_path, capsys, flags) -> tuple[dict, list[str]]:
+    """Tokenize ``root`` with the CLI in this process and on 2 torchrun ranks, both into a store
+    named ``out`` (``.meta.json`` names its mask's file); hold the ranks' .bin, .idx, .mask and
+    .meta.json to one process's byte for byte, and their printed summary line for line but for
+    the run's time and the ranks it ran on. Returns the store's metadata and the printed lines."""
+    from tokenloom.cli import main
+
+    runs = plan_pieces(discover_inputs([str(root)], input_format=flags[flags.index("--input-format") + 1]),
+                       TokenizeConfig(), 2)
+    assert runs[0][-1].source.path == runs[1][0].source.path == str(root / "a_big.jsonl")  # split between ranks
+    (tmp_path / "one").mkdir()
+    (tmp_path / "r2").mkdir()
+    assert main(["tokenize", str(root), "--output", str(tmp_path / "one" / "out"), "--workers", "0",
+                 "--chunk-size", "4096", "-q", *flags]) == 0
+    one_lines = capsys.readouterr().out.splitlines()
+    result = _run(root, tmp_path / "r2" / "out", 2, *flags)
+    suffixes = (".bin", ".idx", ".mask", ".meta.json")
+    assert _files(tmp_path / "r2" / "out", suffixes) == _files(tmp_path / "one" / "out", suffixes)
+    assert not os.path.exists(tmp_path / "r2" / "out.parts")
+    timing = re.compile(r" in [0-9.]+ s \([0-9,]+ docs/s, [0-9,]+ tokens/s\)")
+    lines = [timing.sub("", line.replace(str(tmp_path / "r2"), "DIR")) for line in result.stdout.splitlines()]
+    expected = [timing.sub("", line.replace(str(tmp_path / "one"), "DIR")) for line in one_lines]
+    assert lines[-1].endswith(" on 2 ranks")
+    lines[-1] = lines[-1].removesuffix(" on 2 ranks")
+    assert lines == expected
+    with open(tmp_path / "r2" / "out.meta.json") as f:
+        return json.load(f), lines
+
+
+def test_two_ranks_write_the_one_process_chat_store_mask_and_summary(chat_corpus, tmp_path, capsys):
+    root, tokenizer = chat_corpus
+    meta, lines = _two_ranks_as_one_process(root, tmp_path, capsys, ["--tokenizer", tokenizer, *CHAT_FLAGS])
+    header = meta["source"]["assistant_prefix_tokens"]  # "auto" resolved, as one process records it
+    assert isinstance(header, int) and header > 0
+    mask = meta["loss_mask"]  # its SHA-256 and counts: one process's (the files are equal above)
+    assert mask["file"] == "out.mask" and 0 < mask["tokens_outside_loss"] < mask["num_tokens"]
+    loss = mask["num_tokens"] - mask["tokens_outside_loss"]
+    assert any(line.startswith(f"loss mask DIR/out.mask: {loss:,} tokens in the loss")
+               and f"first {header} tokens outside it" in line for line in lines), lines
+
+
+def test_two_ranks_write_the_one_process_spans_store_mask_and_summary(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    root = tmp_path / "spans"
+    root.mkdir()
+    for name, count in (("a_big.jsonl", 400), ("b_small.jsonl", 40)):
+        with open(root / name, "w", encoding="utf-8") as f:
+            for _ in range(count):
+                ids = rng.integers(0, 256, size=int(rng.integers(0, 40))).tolist()
+                cuts = sorted(set(rng.integers(0, len(ids) + 1, size=4).tolist()))
+                spans = [[a, b] for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
+                f.write(json.dumps({"input_ids": ids, "loss_spans": spans}) + "\n")
+    meta, lines = _two_ranks_as_one_process(root, tmp_path, capsys, ["--input-format", "spans"])
+    assert meta["source"]["empty_documents"] > 0 and "assistant_prefix_tokens" not in meta["source"]
+    assert lines[1] == "engine none (pre-tokenized input), in the calling thread"
+    assert any(line.startswith("loss mask DIR/out.mask: ") for line in lines) and any(
+        line.startswith("left out ") for line in lines)
+
+
+def test_a_bad_conversation_on_one_rank_fails_every_rank_and_writes_nothing(chat_corpus, tmp_path):
+    root, tokenizer = chat_corpus
+    corpus = _copy_corpus(root, tmp_path / "in")
+    last = corpus / "c_last.jsonl"  # rank 1's alone
+    lines = last.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "?"}]}) + "\n"
+    last.write_text("".join(lines), encoding="utf-8")
+    results = _run_ranks(corpus, tmp_path / "out", 2, "--tokenizer", tokenizer, *CHAT_FLAGS)
+    assert [r.returncode for r in results] == [2, 2], [r.stderr[-2000:] for r in results]
+    errors = {r.stderr.strip().splitlines()[-1] for r in results}
+    assert len(errors) == 1, errors  # every rank raised the same error, naming the line as one process would
+    (error,) = errors
+    assert "tokenize phase]" in error and f"{last}:8: " in error and "wizard" in error
+    # no store, no mask, no hidden file beside them: only the parts a rerun would keep
+    assert sorted(os.listdir(tmp_path)) == ["in", "out.parts"]

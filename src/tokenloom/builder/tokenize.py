@@ -9,8 +9,14 @@ and the line, as one process would), tokenizes them into a part store
 store without passing through one rank: rank 0 creates the store's hidden .bin at its final size,
 every rank copies its part's tokens into it at its offset, and rank 0 writes the .idx from the
 parts' lengths with the metadata one process would write, renames (the .idx last) and removes the
-parts. The store is byte-identical to ``tokenloom tokenize`` in one process. ``OUTPUT`` must be on
-a filesystem every rank sees. A failure on any
+parts. Of chat and spans input each part has its loss mask, and rank 0 appends the parts' bits to
+the store's hidden .mask as it records their documents: the mask is 1/16 of a uint16 .bin, and the
+SHA-256 that ``.meta.json`` records of it is one pass over all its bits in order anyway, so copying
+it at offsets would save rank 0 no read (and the parts' bits do not start at byte boundaries). The
+.mask is renamed into place with the .bin and the .idx, or removed with them on a failure. The
+store, its mask and ``.meta.json`` (with ``assistant_prefix_tokens`` resolved) are byte-identical
+to ``tokenloom tokenize`` in one process, and so is the summary but for its time and its ranks.
+``OUTPUT`` must be on a filesystem every rank sees. A failure on any
 rank fails every rank with the same message (the build's gloo group); a run restarted with the
 same command on the same number of ranks keeps every part whose inputs and settings are unchanged.
 """
@@ -30,7 +36,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.io import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, s3
 from tokenloom.io.format import idx_path, normalize_prefix
 from tokenloom.io.writer import write_json_atomic
-from tokenloom.tokenization.inputs import count_lines, discover_inputs
+from tokenloom.tokenization.inputs import RECORD_FORMATS, count_lines, discover_inputs
 from tokenloom.tokenization.pipeline import (
     InputPiece,
     TokenizeConfig,
@@ -45,6 +51,9 @@ from tokenloom.tokenization.tokenizers import load_tokenizer
 
 PARTS_SUFFIX = ".parts"
 PART_FORMAT = "tokenloom-tokenize-part"
+PART_VERSION = 2
+"""Of a part's manifest: 2 counts the loss tokens and the resolved assistant header (an older part
+is tokenized again rather than kept without them)."""
 
 
 def _describe(piece: InputPiece) -> list:
@@ -115,7 +124,8 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
         runs = plan_pieces(files, config, world)
         mine = [count_lines(p.source.path, *p.byte_range) if p.byte_range is not None else 0 for p in runs[rank]]
         # the code points gigatoken reads differently: each rank scans a share unless it is cached
-        scan = getattr(tokenizer, "divergence_share", None)
+        # (pre-tokenized spans encode nothing: no scan, as in one process)
+        scan = getattr(tokenizer, "divergence_share", None) if config.input_format != "spans" else None
         share = scan(rank, world) if scan is not None else None
     except Exception as exc:
         failure = failure_from(exc, rank=rank, phase="tokenize plan", item=None)
@@ -146,6 +156,12 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
     for s in summaries:
         if s:
             skipped.update(s["skipped"])
+    # of chat and spans input: the tokens in the loss, and the assistant header every part resolved
+    # the same way (from the tokenizer and template alone); None where the input has no mask
+    loss_tokens = sum(s["loss_tokens"] for s in summaries if s) if config.input_format in RECORD_FORMATS else None
+    prefix_tokens = next((s["assistant_prefix_tokens"] for s in summaries if s), None)
+    metadata = store_metadata(record, files, config, documents=documents, tokens=tokens, empty=empty,
+                              skipped=skipped, assistant_prefix_tokens=prefix_tokens)
     # the parts into one store: every rank copies its part's tokens into the store's .bin at its
     # offset (nothing passes through one rank), then rank 0 writes the .idx and renames
     parts = [os.path.join(parts_dir, f"part-{r:05d}-of-{world:05d}") for r in range(world) if runs[r]]
@@ -171,8 +187,7 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
             try:
                 for path in parts:
                     writer.append_store(IndexedDataset(path), copy_bytes=False)
-                writer.finalize(store_metadata(record, files, config, documents=documents, tokens=tokens,
-                                               empty=empty, skipped=skipped))
+                writer.finalize(metadata)
                 shutil.rmtree(parts_dir, ignore_errors=True)
             except Exception as exc:
                 failure = failure_from(exc, rank=rank, phase="tokenize merge", item=f"merging the parts into {output}")
@@ -181,12 +196,11 @@ def _run(inputs, output: str, config: TokenizeConfig, group, started: float) -> 
             writer.abort()  # nothing once finalized; else the hidden .bin goes
     agree(group, failure, phase="tokenize merge")
     return TokenizeSummary(prefix=output, tokenizer=record, num_files=len(files), num_documents=documents,
-                           num_tokens=tokens, num_empty=empty,
-                           skipped={k: v for k, v in skipped.items() if v}, elapsed_s=time.perf_counter() - started,
+                           num_tokens=tokens, num_empty=empty, skipped=dict(metadata["source"]["skipped"]),
+                           elapsed_s=time.perf_counter() - started,
                            ranks=world, parts_kept=sum(1 for s in summaries if s and s.get("kept")),
-                           engine=getattr(tokenizer, "engine", "bytes"),
-                           engine_note=getattr(tokenizer, "engine_note", None), routed_documents=routed,
-                           **engine_report(tokenizer, verify=config.verify),
+                           routed_documents=routed, loss_tokens=loss_tokens, assistant_prefix_tokens=prefix_tokens,
+                           **engine_report(tokenizer, config),
                            **dict(zip(("workers", "threads"), config.parallelism(tokenizer))))
 
 
@@ -202,7 +216,7 @@ def _copy_into(source: str, target: str, offset: int) -> None:
 def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, tokenizer, record) -> dict:
     """Tokenize this rank's pieces into ``part`` (or keep the part a finished run left with the
     same inputs and settings); returns its counts."""
-    wanted = {"format": PART_FORMAT, "pieces": [_describe(p) for p in pieces],
+    wanted = {"format": PART_FORMAT, "version": PART_VERSION, "pieces": [_describe(p) for p in pieces],
               "settings": _settings(config, record.to_dict())}
     manifest = part + ".json"
     if os.path.isfile(manifest) and os.path.isfile(idx_path(part)):
@@ -220,7 +234,8 @@ def _tokenize_part(pieces: list[InputPiece], part: str, config: TokenizeConfig, 
     summary = tokenize_pieces(own_files, pieces, part, config, tokenizer=tokenizer)
     counts = {"documents": summary.num_documents, "tokens": summary.num_tokens, "empty_documents": summary.num_empty,
               "skipped": dict(summary.skipped), "bin_bytes": os.path.getsize(part + ".bin"),
-              "routed": summary.routed_documents}
+              "routed": summary.routed_documents, "loss_tokens": summary.loss_tokens,
+              "assistant_prefix_tokens": summary.assistant_prefix_tokens}
     write_json_atomic(manifest, {**wanted, "counts": counts})
     return counts
 

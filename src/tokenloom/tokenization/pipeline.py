@@ -768,11 +768,9 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
         num_empty=num_empty,
         skipped=dict(metadata["source"]["skipped"]),
         elapsed_s=time.perf_counter() - started,
-        engine="none" if pretokenized else getattr(tokenizer, "engine", "bytes"),
-        engine_note="pre-tokenized input" if pretokenized else getattr(tokenizer, "engine_note", None),
         workers=workers,
         threads=threads,
-        **(engine_report(tokenizer, verify=config.verify) if not pretokenized else {}),
+        **engine_report(tokenizer, config),
         routed_documents=routed,
         loss_tokens=loss_tokens,
         assistant_prefix_tokens=prefix_tokens,
@@ -782,13 +780,19 @@ def tokenize_pieces(files: Sequence[InputFile], pieces: Sequence[InputPiece], ou
     return summary
 
 
-def engine_report(tokenizer: Tokenizer, *, verify: bool) -> dict:
-    """The summary's fields on how identity with ``tokenizers`` was held (besides the count of
-    routed documents)."""
+def engine_report(tokenizer: Tokenizer, config: TokenizeConfig) -> dict:
+    """The summary's fields on what encoded and how identity with ``tokenizers`` was held
+    (besides the count of routed documents): one function for a run in one process and a run
+    divided over ranks, so that both summaries say the same. Pre-tokenized ``spans`` input
+    encodes nothing: engine ``"none"``, no code point scan."""
+    if config.input_format == "spans":
+        return {"engine": "none", "engine_note": "pre-tokenized input", "divergent_code_points": None,
+                "verified": False}
     divergence = getattr(tokenizer, "divergence", None)
     gigatoken = getattr(tokenizer, "engine", None) == "gigatoken"
-    return {"divergent_code_points": len(divergence) if gigatoken and divergence is not None else None,
-            "verified": bool(verify and gigatoken)}
+    return {"engine": getattr(tokenizer, "engine", "bytes"), "engine_note": getattr(tokenizer, "engine_note", None),
+            "divergent_code_points": len(divergence) if gigatoken and divergence is not None else None,
+            "verified": bool(config.verify and gigatoken)}
 
 
 def store_metadata(record: TokenizerRecord, files: Sequence[InputFile], config: TokenizeConfig, *,
