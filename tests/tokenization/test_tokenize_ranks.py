@@ -1,7 +1,8 @@
 """Tokenization divided over torchrun ranks (gloo, 127.0.0.1): the store is byte-identical to one
 process's for every number of ranks, large files split at line starts with their line numbers
 right, a failing rank fails every rank with the same message, a killed rank fails the others at
-once, and a rerun keeps finished parts."""
+once, and a rerun keeps finished parts. Of chat and spans input the loss mask, ``.meta.json`` and
+the printed summary are one process's too."""
 
 from __future__ import annotations
 
