@@ -285,5 +285,6 @@ def test_a_bad_conversation_on_one_rank_fails_every_rank_and_writes_nothing(chat
     assert len(errors) == 1, errors  # every rank raised the same error, naming the line as one process would
     (error,) = errors
     assert "tokenize phase]" in error and f"{last}:8: " in error and "wizard" in error
+    assert error.endswith("(--skip-bad skips and counts such records)")  # the flag, as one process names it
     # no store, no mask, no hidden file beside them: only the parts a rerun would keep
     assert sorted(os.listdir(tmp_path)) == ["in", "out.parts"]

@@ -13,7 +13,7 @@ import re
 import sys
 import time
 
-from tokenloom import ConfigError, InputError
+from tokenloom import BuildError, ConfigError, InputError, TokenloomError
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 
@@ -180,6 +180,29 @@ def _identity(summary) -> str:
             "characters (--verify checks every document)")
 
 
+def _with_flag_hint(exc: TokenloomError, args: argparse.Namespace) -> TokenloomError:
+    """``exc`` with the flag that addresses it named, the same in one process and divided over
+    ranks (where a rank's error reaches every rank inside a BuildError naming the phase);
+    ``exc`` itself when no flag addresses it."""
+    message = str(exc)
+    if "has no chat template" in message or "assistant_prefix_tokens" in message:
+        hint = "--chat-template FILE, --assistant-prefix-tokens N with --input-format chat"
+    elif "end-of-document" in message:
+        hint = "--eod-id ID, or --no-eod"
+    elif "engine='hf'" in message:
+        hint = "--engine hf"
+    elif not args.skip_bad and isinstance(exc, (InputError, BuildError)) \
+            and re.search(r"[^\s:]+:(row )?\d+: ", message):
+        hint = "--skip-bad skips and counts such records"
+    else:
+        return exc
+    failures = getattr(exc, "failures", None)  # a collective failure carries each rank's own
+    try:
+        return type(exc)(f"{message} ({hint})", *(() if failures is None else (failures,)))
+    except TypeError:  # an error class made otherwise keeps its message
+        return exc
+
+
 def run_tokenize(args: argparse.Namespace) -> int:
     """Run ``tokenloom tokenize``; returns 0 (errors raise TokenloomError for cli.main)."""
     from tokenloom.tokenization import TokenizeConfig, discover_inputs, tokenize_to_store
@@ -206,7 +229,10 @@ def run_tokenize(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the inputs divided over the ranks
         from tokenloom.builder import tokenize_on_ranks
 
-        summary = tokenize_on_ranks(args.inputs, args.output, config)
+        try:
+            summary = tokenize_on_ranks(args.inputs, args.output, config)
+        except TokenloomError as exc:
+            raise _with_flag_hint(exc, args) from exc
         if int(os.environ.get("RANK", "0")) == 0:
             kept = f", {summary.parts_kept} part(s) kept from an earlier run" if summary.parts_kept else ""
             print(_format_summary(summary) + f" on {summary.ranks} ranks{kept}")
@@ -215,19 +241,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
     bar = _ProgressBar(total_bytes, disable=args.quiet or not sys.stderr.isatty())
     try:
         summary = tokenize_to_store(args.inputs, args.output, config, progress=bar)
-    except ConfigError as exc:
-        if "has no chat template" in str(exc) or "assistant_prefix_tokens" in str(exc):
-            raise ConfigError(f"{exc} (--chat-template FILE, --assistant-prefix-tokens N with --input-format chat)") \
-                from exc
-        if "end-of-document" in str(exc):
-            raise ConfigError(f"{exc} (--eod-id ID, or --no-eod)") from exc
-        if "engine='hf'" in str(exc):
-            raise ConfigError(f"{exc} (--engine hf)") from exc
-        raise
-    except InputError as exc:
-        if not args.skip_bad and re.match(r"^.+:(row )?\d+: ", str(exc)):
-            raise InputError(f"{exc} (--skip-bad skips and counts such records)") from exc
-        raise
+    except TokenloomError as exc:
+        raise _with_flag_hint(exc, args) from exc
     finally:
         bar.close()
     print(_format_summary(summary))
