@@ -19,11 +19,13 @@ from tokenloom.index.balance import (
     _SWAPS_PER_LEVEL,
     CostModel,
     _partition_kernel,
+    _stable_argsort,
     assign_slots,
     served_document_pairs,
     served_real_tokens,
     slot_costs,
 )
+from tokenloom.index.kernels import compiled
 from tokenloom.serve.samples import document_fields
 
 
@@ -231,3 +233,14 @@ def test_format_worked_example():
     assert slot_costs(costs, order, dp=2, micro_batch_size=2).tolist() == [[48, 44], [43, 45]]
     assert slot_costs(costs, np.arange(8), dp=2, micro_batch_size=2).sum(axis=0).tolist() == [104, 76]
     assert (CostModel.for_width().attention, CostModel.for_width().tokens) == (16384, 402653184)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-3, 3) | st.integers(-2**62, 2**62), max_size=80))
+def test_the_kernels_stable_argsort_is_numpys(keys):
+    """The assignment's own sort (insertion below 16 keys, merging above) orders as numpy's
+    mergesort: ascending, ties by index, compiled and interpreted."""
+    keys = np.array(keys, dtype=np.int64)
+    expected = np.argsort(keys, kind="mergesort")
+    np.testing.assert_array_equal(_stable_argsort(keys), expected)
+    np.testing.assert_array_equal(compiled(_stable_argsort)(keys), expected)

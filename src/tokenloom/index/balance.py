@@ -43,7 +43,10 @@ larger load, the best swap first. Karmarkar-Karp's differencing is the better he
 sets, but its k-way form with equal cardinalities merges whole k-tuples per step and gains
 little when each rank holds several samples, where the swaps close most of what LPT leaves;
 this costs ``O(G log G)`` plus one ``(G/dp) x G`` comparison per swap, in one compiled kernel
-(numba through :mod:`tokenloom.index.kernels`; the same function interpreted without it).
+(numba through :mod:`tokenloom.index.kernels`; the same function interpreted without it), which
+places one step or, given ``(steps, G)`` costs, several in one call. Its sorts are its own
+(:func:`_stable_argsort`): numba's stable argsort and its sort of a row view cost far more than
+the placement around them, and a stable order is one order, so the placement is the same.
 
 It is a pure function of the costs in stream order and the layout: ties go by cost, then by
 stream order, then by the lowest rank, so every rank computes the same placement, and the loads
@@ -64,8 +67,8 @@ from tokenloom.errors import ConfigError
 from tokenloom.index.kernels import compiled, jit, numba_available
 from tokenloom.validate import is_integer
 
-__all__ = ["BALANCES", "DEFAULT_HIDDEN_SIZE", "CostModel", "assign_slots", "served_document_pairs",
-           "served_real_tokens", "slot_costs"]
+__all__ = ["BALANCES", "DEFAULT_HIDDEN_SIZE", "CostModel", "assign_slots", "megatron_sample_costs",
+           "served_document_pairs", "served_real_tokens", "slot_costs"]
 
 BALANCES = ("attention", "tokens")
 """What a balance evens out: ``"attention"``, the cost model over the documents; ``"tokens"``,
@@ -169,6 +172,60 @@ def served_real_tokens(lengths: np.ndarray, bounds: np.ndarray, seq_lengths) -> 
     return np.minimum(total[bounds[1:]] - total[bounds[:-1]], np.asarray(seq_lengths, dtype=np.int64))
 
 
+@jit(cache=True, nogil=True)
+def _megatron_costs_kernel(shuffle_index, sample_index, document_index, sequence_lengths, sample_ids, extra, seq,
+                           add_extra_token, tokens, out):
+    """Per sample of ``sample_ids``: its pieces walked straight from megatron-core's arrays (the
+    rule of ``MegatronReader.spans``) and summed as :func:`served_document_pairs` (``tokens``
+    False) or :func:`served_real_tokens` (True) sums them, into ``out``."""
+    for k in range(sample_ids.shape[0]):
+        row = np.int64(shuffle_index[sample_ids[k]])
+        first, offset = np.int64(sample_index[row, 0]), np.int64(sample_index[row, 1])
+        last, stop = np.int64(sample_index[row + 1, 0]), np.int64(sample_index[row + 1, 1]) + extra
+        count = last - first + 1
+        if tokens:
+            total = np.int64(0)
+            for p in range(first, last + 1):
+                begin = offset if p == first else 0
+                end = stop if p == last else np.int64(sequence_lengths[document_index[p]])
+                total += end - begin
+            out[k] = min(total, seq)
+            continue
+        kept = count  # the pieces that are documents: a last one of only the extra token is not
+        if add_extra_token and count >= 2:
+            begin = offset if last == first else 0
+            if stop - begin == 1:
+                kept -= 1
+        pairs, inner = np.int64(0), np.int64(0)
+        for p in range(first, first + kept - 1):  # all but the last kept piece, as they are
+            begin = offset if p == first else 0
+            end = stop if p == last else np.int64(sequence_lengths[document_index[p]])
+            length = end - begin
+            pairs += length * (length + 1) // 2
+            inner += length
+        tail = max(seq - inner, 0)  # the last document runs to S
+        out[k] = pairs + tail * (tail + 1) // 2
+
+
+def megatron_sample_costs(indices, sequence_lengths, sample_ids, seq_length: int, add_extra_token: bool, *,
+                          tokens: bool = False, backend: str = "auto") -> np.ndarray:
+    """(B,) int64: :func:`served_document_pairs` (or, with ``tokens``, :func:`served_real_tokens`)
+    of the samples ``sample_ids`` of megatron-core's arrays ``indices`` (a ``GPTIndices``) over a
+    store's ``sequence_lengths``, without building their ``SampleSpans``: one compiled pass reads
+    each sample's rows of the index and its documents' lengths. The same numbers as the spans'
+    (the pieces are walked by ``MegatronReader.spans``' rule); what balancing costs a step with,
+    where every rank costs all ``G`` samples and the spans' dozen array passes were most of it.
+    ``backend`` as :func:`assign_slots`'."""
+    sample_ids = np.ascontiguousarray(sample_ids, dtype=np.int64)
+    out = np.empty(sample_ids.shape[0], dtype=np.int64)
+    kernel = _megatron_costs_kernel
+    if backend == "numba" or (backend == "auto" and numba_available()):
+        kernel = compiled(kernel)
+    kernel(indices.shuffle_index, indices.sample_index, indices.document_index, sequence_lengths, sample_ids,
+           np.int64(indices.plan.add_extra_token), np.int64(seq_length), bool(add_extra_token), bool(tokens), out)
+    return out
+
+
 def _check_layout(num: int, dp: int, micro_batch_size: int) -> int:
     for name, value in (("dp", dp), ("micro_batch_size", micro_batch_size)):
         if not is_integer(value) or value < 1:
@@ -182,14 +239,71 @@ def _check_layout(num: int, dp: int, micro_batch_size: int) -> int:
 
 
 @jit(cache=True, nogil=True)
+def _stable_argsort(keys):
+    """``np.argsort(keys, kind="mergesort")`` (ascending, ties by index: the one stable order),
+    by insertion below 16 keys and bottom-up merging above. numba's own stable argsort allocates
+    as it recurses and took most of a step's placement; this one allocates two arrays."""
+    n = keys.shape[0]
+    order = np.arange(n)
+    if n <= 16:
+        for k in range(1, n):
+            item = order[k]
+            value = keys[item]
+            at = k
+            while at > 0 and keys[order[at - 1]] > value:
+                order[at] = order[at - 1]
+                at -= 1
+            order[at] = item
+        return order
+    other = np.empty(n, dtype=order.dtype)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            a, b, at = lo, mid, lo
+            while a < mid and b < hi:
+                if keys[order[b]] < keys[order[a]]:  # the left one first on a tie: stable
+                    other[at] = order[b]
+                    b += 1
+                else:
+                    other[at] = order[a]
+                    a += 1
+                at += 1
+            while a < mid:
+                other[at] = order[a]
+                a += 1
+                at += 1
+            while b < hi:
+                other[at] = order[b]
+                b += 1
+                at += 1
+        order, other = other, order
+        width *= 2
+    return order
+
+
+@jit(cache=True, nogil=True)
+def _sort_in_place(values):
+    """Sort a short 1-D integer array (a row of offsets) in place: insertion, no allocation
+    (numba's ``ndarray.sort`` of a row view costs a microsecond of setup each)."""
+    for k in range(1, values.shape[0]):
+        value = values[k]
+        at = k
+        while at > 0 and values[at - 1] > value:
+            values[at] = values[at - 1]
+            at -= 1
+        values[at] = value
+
+
+@jit(cache=True, nogil=True)
 def _partition_kernel(costs, bins, out):
     """Fill ``out`` (bins, len(costs) / bins) with indices into ``costs``: LPT in rounds, then
     swaps out of the heaviest bin (module docstring); each row ascending."""
     per = costs.shape[0] // bins
-    order = np.argsort(-costs, kind="mergesort")  # costliest first; stable: ties by index
+    order = _stable_argsort(-costs)  # costliest first; stable: ties by index
     loads = np.zeros(bins, dtype=np.int64)
     for t in range(per):
-        lightest = np.argsort(loads, kind="mergesort")  # least load first, ties by bin
+        lightest = _stable_argsort(loads)  # least load first, ties by bin
         for k in range(bins):
             item = order[t * bins + k]
             out[lightest[k], t] = item
@@ -226,7 +340,7 @@ def _partition_kernel(costs, bins, out):
             loads[heavy] -= delta
             loads[best_b] += delta
     for b in range(bins):
-        out[b].sort()
+        _sort_in_place(out[b])
 
 
 @jit(cache=True, nogil=True)
@@ -258,7 +372,8 @@ def _assign_kernel(costs, dp, micro, out):
     local = np.empty((num_micro, micro), dtype=np.int64)
     split = np.empty((num_micro, micro), dtype=np.int64)
     for r in range(dp):
-        held = np.sort(ranks[r])  # (M * micro,) this rank's offsets in stream order
+        held = ranks[r].copy()  # (M * micro,) this rank's offsets in stream order
+        _sort_in_place(held)
         plain_micro = held.reshape(num_micro, micro)
         chosen = plain_micro
         if num_micro > 1:
@@ -273,28 +388,41 @@ def _assign_kernel(costs, dp, micro, out):
                 out[m * dp * micro + r * micro + j] = chosen[m, j]
 
 
+@jit(cache=True, nogil=True)
+def _assign_steps_kernel(costs, dp, micro, out):
+    """:func:`_assign_kernel` on each row of ``costs`` (steps, G) into ``out`` (steps, G): one
+    call for many steps, so that placing a step costs no Python dispatch of its own."""
+    for k in range(costs.shape[0]):
+        _assign_kernel(costs[k], dp, micro, out[k])
+
+
 def assign_slots(costs, *, dp: int, micro_batch_size: int, backend: str = "auto") -> np.ndarray:
     """(G,) int64: the global batch's offsets (indices into ``costs``, its samples in stream
     order) in slot order: slot ``m * micro * dp + r * micro + j`` is sample ``j`` of data-parallel
     rank ``r``'s micro-batch ``m``, the order Megatron's sampler reads positions in. Inside a
     micro-batch the offsets ascend. See the module docstring for the rule and its guarantees.
-    ConfigError when the batch does not fill the layout's micro-batches. ``backend``: "numba"
-    (the default where installed) or "python" (the same kernel, interpreted); identical results."""
+    ``costs`` of shape ``(steps, G)`` places several global batches of one size in one kernel
+    call (``(steps, G)`` out, row ``k`` exactly ``assign_slots(costs[k])``): what a sampler
+    placing the steps ahead uses. ConfigError when the batch does not fill the layout's
+    micro-batches. ``backend``: "numba" (the default where installed) or "python" (the same
+    kernel, interpreted); identical results."""
     costs = np.asarray(costs)
-    if costs.ndim != 1 or not np.issubdtype(costs.dtype, np.integer):
+    if costs.ndim not in (1, 2) or not np.issubdtype(costs.dtype, np.integer):
         raise ConfigError(f"assign_slots costs of shape {costs.shape} and dtype {costs.dtype}; expected one "
-                          "integer cost per sample of the global batch (CostModel.sample_costs)")
+                          "integer cost per sample of the global batch (CostModel.sample_costs), or a (steps, G) "
+                          "array of several batches")
     if backend not in ("auto", "numba", "python"):
         raise ConfigError(f"backend={backend!r}; expected 'auto', 'numba' or 'python'")
     costs = np.ascontiguousarray(costs, dtype=np.int64)
-    _check_layout(costs.shape[0], dp, micro_batch_size)
-    if costs.shape[0] and int(costs.max()) > 2**62 // costs.shape[0]:
-        raise ConfigError(f"assign_slots: costs up to {int(costs.max())} over {costs.shape[0]} samples overflow "
+    size = costs.shape[-1]
+    _check_layout(size, dp, micro_batch_size)
+    if costs.size and int(costs.max()) > 2**62 // size:
+        raise ConfigError(f"assign_slots: costs up to {int(costs.max())} over {size} samples overflow "
                           "int64 loads; give costs in coarser units")
-    out = np.empty(costs.shape[0], dtype=np.int64)
-    kernel = _assign_kernel
+    out = np.empty(costs.shape, dtype=np.int64)
+    kernel = _assign_kernel if costs.ndim == 1 else _assign_steps_kernel
     if backend == "numba" or (backend == "auto" and numba_available()):
-        kernel = compiled(_assign_kernel)
+        kernel = compiled(kernel)
     kernel(costs, np.int64(dp), np.int64(micro_batch_size), out)
     return out
 
