@@ -10,13 +10,16 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokenloom
+from balance_reference import reference_assign_slots, reference_batch_costs, reference_step_placement
 from serve_fixtures import write_corpus
 from tokenloom.cli import main as cli_main
 from tokenloom.errors import ConfigError
 from tokenloom.index import CostModel
-from tokenloom.index.balance import served_document_pairs, slot_costs
+from tokenloom.index.balance import assign_slots, served_document_pairs, slot_costs
 from tokenloom.serve import (
     BatchGeometry,
     BatchSizeSchedule,
@@ -26,6 +29,7 @@ from tokenloom.serve import (
     Topology,
     read_audit_log,
 )
+from tokenloom.serve import sampler as sampler_module
 from tokenloom.serve.balance import balance_report, batch_costs, slots_of
 from tokenloom.serve.sampler import MicroBatchSampler
 from tokenloom.serve.simulate import simulate_job
@@ -162,6 +166,81 @@ def test_skips_quarantines_weight_changes_and_ramps_compose(split):
                 sampler.advance()
         assert sorted(served) == list(range(starts[-1], starts[-1] + len(served)))
     assert starts == [0, 8, 16, 24, 40, 56]
+
+
+@st.composite
+def _batches(draw):
+    """Costs of a few global batches of one layout: many ties, or wide and distinct."""
+    dp, micro, num_micro = draw(st.sampled_from([1, 2, 3, 4, 8, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    size, steps = dp * micro * num_micro, draw(st.integers(1, 3))
+    high = draw(st.sampled_from([3, 1000, 2**40]))
+    costs = draw(st.lists(st.integers(0, high), min_size=size * steps, max_size=size * steps))
+    return np.array(costs, dtype=np.int64).reshape(steps, size), dp, micro
+
+
+@settings(max_examples=150, deadline=None)
+@given(_batches())
+def test_the_fast_assignment_is_the_reference_assignment(case):
+    """The kernel's own stable sorts and the (steps, G) call place exactly as numpy's sorts did."""
+    costs, dp, micro = case
+    expected = np.stack([reference_assign_slots(row, dp, micro) for row in costs])
+    np.testing.assert_array_equal(assign_slots(costs, dp=dp, micro_batch_size=micro), expected)
+    np.testing.assert_array_equal(assign_slots(costs[0], dp=dp, micro_batch_size=micro), expected[0])
+    np.testing.assert_array_equal(assign_slots(costs, dp=dp, micro_batch_size=micro, backend="python"), expected)
+
+
+@pytest.mark.parametrize("balance", ["attention", "tokens"])
+def test_steps_placed_ahead_are_the_steps_placed_alone(split, balance, monkeypatch):
+    """The sampler places several steps at once (a window of PLACE_AHEAD_SAMPLES, here small so
+    that windows end inside the run) from the index arrays; every step is the one the spans-based
+    per-step reference places, also after a skip, quarantine, weight change or resume, and every
+    sample's cost is the spans' cost."""
+    monkeypatch.setattr(sampler_module, "PLACE_AHEAD_SAMPLES", 40)
+    for dp, micro, size in ((4, 2, 16), (2, 1, 8), (8, 1, 16), (1, 4, 8)):
+        geometry = _geometry(dp, micro=micro, size=size, balance=balance)
+        sampler = MicroBatchSampler(split, geometry, dp_rank=dp - 1)
+        np.testing.assert_array_equal(batch_costs(sampler.stream, np.arange(split.num_samples), geometry),
+                                      reference_batch_costs(sampler.stream, np.arange(split.num_samples), geometry))
+        document = split.where([3 * size + 1])[0]
+        events = {2: "save", 3: "skip and quarantine", 7: "reweight", 9: "resume"}
+        state, checked = None, 0
+        for _ in range(14):
+            event = events.pop(sampler.step, None)
+            if event == "save":
+                state = sampler.state_dict()
+            elif event == "skip and quarantine":
+                sampler.skip_steps(4, 5)
+                sampler.quarantine([(document.prefix, document.pieces[0].document)])
+            elif event == "reweight":
+                sampler.reweight([0.3, 0.7])
+            elif event == "resume":  # back to step 2, on the stream as it was there
+                sampler.load_state_dict(state)
+            if sampler.exhausted():
+                break
+            expected = reference_step_placement(sampler.stream, geometry, sampler.step_start, size)
+            np.testing.assert_array_equal(sampler.placement(), expected,
+                                          err_msg=f"{dp=} {size=} step {sampler.step} after {event}")
+            checked += 1
+            sampler.next_step()
+        assert not events and checked == 14
+
+
+def test_a_window_the_cost_guard_refuses_places_its_steps_one_by_one(split, monkeypatch):
+    """CostModel.sample_costs refuses a batch whose summed costs could overflow; a window of steps
+    is a larger batch than a step, so the sampler then places the step alone, as before."""
+    monkeypatch.setattr(sampler_module, "PLACE_AHEAD_SAMPLES", 64)
+    stream = MicroBatchSampler(split, _geometry(4)).stream
+    pairs = reference_batch_costs(stream, np.arange(64), _geometry(4, cost=CostModel(attention=1, tokens=0)))
+    datasets, _ = stream.locate(np.arange(64))
+    window = max(int(pairs[datasets == d].max()) * int((datasets == d).sum()) for d in np.unique(datasets))
+    geometry = _geometry(4, cost=CostModel(attention=-(-2**62 // window), tokens=0))  # the window's guard trips
+    sampler = MicroBatchSampler(split, geometry, dp_rank=1)
+    with pytest.raises(ConfigError, match="overflows int64"):
+        batch_costs(sampler.stream, np.arange(64), geometry)
+    for _ in range(4):
+        np.testing.assert_array_equal(sampler.placement(),
+                                      reference_step_placement(sampler.stream, geometry, sampler.step_start, 16))
+        sampler.next_step()
 
 
 def test_balance_by_tokens_keeps_megatrons_order_where_every_sample_is_full(split):

@@ -2,18 +2,24 @@
 
 A step serves the global batch ``[step_start, step_start + G)`` of the stream whatever the
 layout. With ``BatchGeometry(balance=...)`` every rank reads the document pieces of all ``G``
-samples from the index (the readers' ``spans``: index arrays and document lengths, no tokens),
-costs them (:mod:`tokenloom.index.balance`) and places them on the ``(micro-batch, rank)``
-slots with :func:`~tokenloom.index.balance.assign_slots`; then it reads the tokens of its own
-slots only. No rank talks to another: the placement is a pure function of the batch and the
-layout, the same on each. What stays as without balancing: the step's set of samples (its
-audit fingerprint is taken in stream order), each sample's fields (Megatron-exact samples stay
-bit-identical), the layout-free state (a run resumes on another layout, where the placement is
-recomputed for it), weight changes, skips and quarantines (they change the stream, and the
-placement is taken of the stream's step), and a schedule's steps (one phase per step).
+samples from the index (the readers' ``spans``: index arrays and document lengths, no tokens;
+on megatron-core's arrays one compiled pass sums them without building the spans,
+:func:`~tokenloom.index.balance.megatron_sample_costs`), costs them
+(:mod:`tokenloom.index.balance`) and places them on the ``(micro-batch, rank)`` slots with
+:func:`~tokenloom.index.balance.assign_slots`; then it reads the tokens of its own slots only.
+Every rank costs ``G`` samples but reads ``G / dp``, so the fixed cost of those calls, paid per
+step, came to about a rank's reading time: the sampler places the steps ahead in one go
+(:func:`steps_placement`, the same placements as one step at a time). No rank talks to another:
+the placement is a pure function of the batch and the layout, the same on each. What stays as
+without balancing: the step's set of samples (its audit fingerprint is taken in stream order),
+each sample's fields (Megatron-exact samples stay bit-identical), the layout-free state (a run
+resumes on another layout, where the placement is recomputed for it), weight changes, skips and
+quarantines (they change the stream, and the placement is taken of the stream's step), and a
+schedule's steps (one phase per step).
 
 This module is what the sampler, ``where``/``find`` and the report of :func:`balance_report`
-share: the costs of a batch of positions, the placement of one step, and the slot of a position.
+share: the costs of a batch of positions, the placement of one step (or of several), and the
+slot of a position.
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.index.balance import assign_slots, served_document_pairs, served_real_tokens, slot_costs
+from tokenloom.index.balance import (
+    assign_slots,
+    megatron_sample_costs,
+    served_document_pairs,
+    served_real_tokens,
+    slot_costs,
+)
 from tokenloom.serve.geometry import BatchGeometry
 from tokenloom.serve.samples import SampleOptions
 from tokenloom.serve.stream import SampleStream
 from tokenloom.source import SampleSource
+from tokenloom.source.readers import MegatronReader
 
 
 def check_balance(geometry: BatchGeometry, options: SampleOptions) -> None:
@@ -57,18 +70,21 @@ def batch_costs(stream: SampleStream, positions, geometry: BatchGeometry) -> np.
     boundaries (``"attention"``), or their real tokens (``"tokens"``)."""
     source = stream.source
     check_balance_source(source, geometry)
-    # TODO(balance-costs): every rank costs all G samples of a step (locate, spans, the pairs) but
-    # reads only G / dp of them, so at dp 64 placing a step costs about as much as reading this
-    # rank's share (BENCHMARKS.md "Balance"). A per-sample array of sum L(L+1)/2 and real tokens,
-    # written beside the index at build time, would make this a gather of G values.
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)  # (B,)
     dataset_ids, sample_ids = stream.locate(positions)  # (B,) int64 each
     widths = getattr(source, "seq_lengths", None)  # (datasets,) per dataset where a schedule varies them
     costs = np.empty(positions.shape[0], dtype=np.int64)
     for d in np.unique(dataset_ids):
         rows = np.flatnonzero(dataset_ids == d)
-        spans = source.readers[int(d)].spans(sample_ids[rows])
+        reader = source.readers[int(d)]
         seq = int(source.seq_length if widths is None else widths[int(d)])
+        if isinstance(reader, MegatronReader):  # the same sums, straight from the index arrays
+            measured = megatron_sample_costs(reader.indices, reader.store.sequence_lengths, sample_ids[rows], seq,
+                                             bool(source.add_extra_token), tokens=geometry.balance == "tokens")
+            costs[rows] = (measured if geometry.balance == "tokens" else
+                           geometry.cost_model.sample_costs(measured, np.full(rows.shape[0], seq)))
+            continue
+        spans = reader.spans(sample_ids[rows])
         if geometry.balance == "tokens":
             costs[rows] = served_real_tokens(spans.lengths, spans.bounds, seq)
         else:
@@ -87,6 +103,32 @@ def step_placement(stream: SampleStream, geometry: BatchGeometry, step_start: in
         return positions
     costs = batch_costs(stream, positions, geometry)
     return step_start + assign_slots(costs, dp=geometry.dp, micro_batch_size=geometry.micro_batch_size)
+
+
+def steps_placement(stream: SampleStream, geometry: BatchGeometry, step_starts, sizes) -> list[np.ndarray]:
+    """``[step_placement(stream, geometry, s, g) for s, g in zip(step_starts, sizes)]``, computed
+    at once: one :func:`batch_costs` over all the steps' positions (locate, ``spans`` and the
+    pairs as a few array passes over the lot, not a dozen numpy calls per step) and one
+    :func:`~tokenloom.index.balance.assign_slots` kernel call per distinct step size. A step's
+    placement depends on its own samples only, so the result is exactly the per-step one; the
+    sampler places the steps ahead of the one it serves this way (every rank costs all ``G``
+    samples of a step but reads ``G / dp``: per step, the calls' fixed cost was most of it)."""
+    starts = np.asarray(step_starts, dtype=np.int64).reshape(-1)  # (K,)
+    sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), starts.shape)  # (K,)
+    if geometry.balance is None or not starts.size:
+        return [np.arange(a, a + g, dtype=np.int64) for a, g in zip(starts.tolist(), sizes.tolist())]
+    firsts = np.concatenate([[0], np.cumsum(sizes)])  # (K + 1,) where each step's costs begin
+    positions = np.repeat(starts - firsts[:-1], sizes) + np.arange(int(firsts[-1]), dtype=np.int64)
+    costs = batch_costs(stream, positions, geometry)  # (sum G,)
+    out: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * starts.shape[0]
+    for size in np.unique(sizes).tolist():
+        steps = np.flatnonzero(sizes == size)  # (k,)
+        rows = costs[(firsts[steps][:, None] + np.arange(size)).reshape(-1)].reshape(-1, size)  # (k, G)
+        placed = assign_slots(rows, dp=geometry.dp, micro_batch_size=geometry.micro_batch_size)  # (k, G)
+        placed += starts[steps][:, None]
+        for k, step in enumerate(steps.tolist()):
+            out[step] = placed[k]
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,4 +238,4 @@ def balance_report(stream: SampleSource | SampleStream, geometry: BatchGeometry,
 
 
 __all__ = ["BalanceReport", "Slot", "balance_report", "batch_costs", "check_balance", "check_balance_source",
-           "slots_of", "step_placement"]
+           "slots_of", "step_placement", "steps_placement"]

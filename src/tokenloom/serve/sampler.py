@@ -14,12 +14,19 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.serve.balance import check_balance_source, step_placement
+from tokenloom.serve.balance import check_balance_source, steps_placement
 from tokenloom.serve.geometry import BatchGeometry, check_planned_steps
 from tokenloom.serve.stream import SampleStream
 from tokenloom.serve.weight_changes import BlendSegment
 from tokenloom.source import SampleSource
 from tokenloom.validate import is_integer
+
+PLACE_AHEAD_SAMPLES = 2048
+"""Samples a balanced sampler places at once, the current step's and the next steps' (at least
+one step): enough that the per-call cost of locating, costing and placing spreads thin, few
+enough that the index arrays they touch stay in cache and the first step waits little."""
+PLACE_AHEAD_STEPS = 256
+"""Most steps placed at once (small global batches)."""
 
 STATE_FORMAT = "tokenloom-serve-state"
 SCHEMA_VERSION = 3
@@ -52,8 +59,8 @@ class MicroBatchSampler:
         self.dp_rank = int(dp_rank)
         check_balance_source(self.stream.source, geometry)
         self.max_steps = max_steps
-        self._placed: tuple[SampleStream, int, np.ndarray] | None = None
-        """The stream, step start and :meth:`placement` last computed (each rank computes a step's once)."""
+        self._placed: tuple[SampleStream, dict[int, np.ndarray]] | None = None
+        """The stream and the :meth:`placement` of the steps placed ahead on it, by step start."""
         self.step = 0
         """Optimizer steps completed."""
         self.step_start = 0
@@ -113,13 +120,15 @@ class MicroBatchSampler:
     def placement(self) -> np.ndarray:
         """(G,) int64: the current step's positions in slot order, slot ``m x micro x dp + r x micro
         + j`` being rank ``r``'s micro-batch ``m`` (Megatron's order: the positions ascending,
-        unless the geometry balances). Computed from the index once per step, the same on every
-        rank; after a weight change, skip or quarantine, of the stream as it now is."""
+        unless the geometry balances). Computed from the index, the same on every rank, for this
+        step and the ones after it at once (:func:`~tokenloom.serve.balance.steps_placement`:
+        about :data:`PLACE_AHEAD_SAMPLES` samples, as many steps as the stream fills), and kept
+        for the stream they were placed on: a weight change, skip, quarantine or resume makes a
+        new stream, whose steps are placed anew as it now is."""
         placed = self._placed
-        if placed is None or placed[0] is not self.stream or placed[1] != self.step_start:
-            placed = self._placed = (self.stream, self.step_start, step_placement(
-                self.stream, self.geometry, self.step_start, self.global_batch_size))
-        return placed[2]
+        if placed is None or placed[0] is not self.stream or self.step_start not in placed[1]:
+            placed = self._placed = (self.stream, _place_ahead(self))
+        return placed[1][self.step_start]
 
     def advance(self) -> None:
         """Move past one micro-step (and to the next step after the last one)."""
@@ -277,6 +286,28 @@ class MicroBatchSampler:
                 "saved between steps")
         self.stream = stream_from_state(self.source, state)
         self.seek(int(state["step"]), int(state["step_start_samples"]), micro_batch)
+
+
+def _place_ahead(sampler: MicroBatchSampler) -> dict[int, np.ndarray]:
+    """The placements of ``sampler``'s current step and the next ones, by step start: about
+    :data:`PLACE_AHEAD_SAMPLES` samples' steps, those the stream fills (at least the current one)."""
+    starts, sizes = [], []
+    start, total = sampler.step_start, 0
+    while not starts or (total < PLACE_AHEAD_SAMPLES and len(starts) < PLACE_AHEAD_STEPS):
+        size = sampler.size_at(start)
+        if starts and start + size > sampler.stream.num_samples:  # the stream cannot fill it
+            break
+        starts.append(start)
+        sizes.append(size)
+        start, total = start + size, total + size
+    try:
+        placements = steps_placement(sampler.stream, sampler.geometry, starts, sizes)
+    except ConfigError:  # CostModel.sample_costs' overflow guard counts the batch: per step, as ever
+        if len(starts) == 1:
+            raise
+        starts, sizes = starts[:1], sizes[:1]
+        placements = steps_placement(sampler.stream, sampler.geometry, starts, sizes)
+    return dict(zip(starts, placements))
 
 
 def stream_from_state(source: SampleSource, state: dict[str, Any]) -> SampleStream:
