@@ -26,8 +26,11 @@ step costs against reading it.
   ``inter_document_masking``: the seconds one rank spends per step costing all ``G`` samples
   from the index (``tokenloom.serve.balance.batch_costs``: locate, ``spans``, the cost) and
   placing them (``assign_slots``), against the seconds it spends reading its own ``G / dp``
-  samples' fields (``RankLoader``, the step's ``M`` micro-batches). Median of ``--rounds``
-  steps, each at a new position, after one warm-up step.
+  samples' fields (``RankLoader``, the step's ``M`` micro-batches). The placement is the
+  balanced sampler's (``MicroBatchSampler.placement``: it places ``PLACE_AHEAD_SAMPLES`` samples'
+  steps at once), timed over whole windows after a warm-up window, so the mean per step is the
+  amortized cost; beside it, the median of ``--rounds`` steps each placed alone
+  (``step_placement``, what the sampler did before). ``--parts serving`` runs this part only.
 """
 
 from __future__ import annotations
@@ -176,9 +179,9 @@ def imbalance_rows(pools: dict, args) -> list[dict]:
 
 def serving_rows(prefix: str, args) -> list[dict]:
     """Seconds per step placing the batch against reading this rank's share, on the real store."""
-    from tokenloom.index.balance import assign_slots
     from tokenloom.serve import BatchGeometry, RankLoader, SampleOptions
-    from tokenloom.serve.balance import batch_costs
+    from tokenloom.serve.balance import step_placement
+    from tokenloom.serve.sampler import PLACE_AHEAD_SAMPLES, MicroBatchSampler
     from tokenloom.source import StoreBlendSource
 
     options = SampleOptions(inter_document_masking=True)
@@ -187,28 +190,41 @@ def serving_rows(prefix: str, args) -> list[dict]:
         for dp in DPS:
             for num_micro in MICRO_BATCHES:
                 size = dp * args.micro * num_micro
-                source = StoreBlendSource.from_prefixes([prefix], num_samples=size * (args.rounds + 1), seq_length=seq,
-                                                        seed=args.seed)
+                ahead = max(1, -(-PLACE_AHEAD_SAMPLES // size))  # steps the sampler places at once
+                steps = max(args.rounds, 3 * ahead)  # whole windows: the mean is the amortized cost
+                steps -= steps % ahead
+                source = StoreBlendSource.from_prefixes([prefix], num_samples=size * (steps + 2 * ahead + 1),
+                                                        seq_length=seq, seed=args.seed)
                 geometry = BatchGeometry(global_batch_size=size, micro_batch_size=args.micro, dp=dp,
                                          balance="attention")
                 loader = RankLoader(source, dataclass_replace(geometry, balance=None), rank=dp - 1,
                                     options=options)
                 stream = loader.stream
-                place, read = [], []
-                for step in range(args.rounds + 1):
+                sampler = MicroBatchSampler(stream, geometry, dp_rank=dp - 1)
+                for _ in range(ahead):  # warm-up: one window placed and read
+                    sampler.placement()
+                    sampler.next_step()
+                    for _ in range(num_micro):
+                        loader.next_batch()
+                per_step, placed, read = [], 0.0, 0.0
+                for step in range(steps):
                     start = time.perf_counter()
-                    costs = batch_costs(stream, np.arange(step * size, (step + 1) * size), geometry)
-                    assign_slots(costs, dp=dp, micro_batch_size=args.micro)
-                    placed = time.perf_counter() - start
+                    sampler.placement()
+                    placed += time.perf_counter() - start
+                    first = sampler.step_start
+                    sampler.next_step()
                     start = time.perf_counter()
                     for _ in range(num_micro):
                         loader.next_batch()
-                    if step:  # the first is the warm-up
-                        place.append(placed)
-                        read.append(time.perf_counter() - start)
+                    read += time.perf_counter() - start
+                    if step < args.rounds:  # as before: every step placed on its own
+                        start = time.perf_counter()
+                        step_placement(stream, geometry, first, size)
+                        per_step.append(time.perf_counter() - start)
                 row = {"seq_length": seq, "dp": dp, "micro": args.micro, "micro_batches": num_micro,
-                       "global_batch": size, "place_ms": 1e3 * statistics.median(place),
-                       "read_ms": 1e3 * statistics.median(read)}
+                       "global_batch": size, "steps_ahead": ahead, "steps": steps,
+                       "per_step_ms": 1e3 * statistics.median(per_step), "place_ms": 1e3 * placed / steps,
+                       "read_ms": 1e3 * read / steps}
                 row["ratio"] = row["place_ms"] / row["read_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -234,12 +250,13 @@ def table(rows: list[dict], serving: list[dict]) -> str:
                    f"{r['attention_share']:.2f} | {cell(r, 'unbalanced')} | {cell(r, 'balanced')} | "
                    f"{cell(r, 'bound')} | {cell(r, 'tight')} | "
                    f"{r['balanced']['mean'] / r['tight']['mean']:.3f} | {r['assign_ms']:.3f} |")
-    out += ["", "| seq | dp | micro-batches/rank | G | cost + place ms (all G, from the index) "
-            "| read ms (this rank's G/dp) | ratio | against the whole batch's read (ratio / dp) |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| seq | dp | micro-batches/rank | G | steps placed at once | one step alone ms (median) "
+            "| placed ahead ms per step (mean) | read ms (this rank's G/dp, mean) | ratio |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in serving:
         out.append(f"| {r['seq_length']} | {r['dp']} | {r['micro_batches']} | {r['global_batch']} | "
-                   f"{r['place_ms']:.2f} | {r['read_ms']:.2f} | {r['ratio']:.3f} | {r['ratio'] / r['dp']:.4f} |")
+                   f"{r['steps_ahead']} | {r['per_step_ms']:.3f} | {r['place_ms']:.4f} | {r['read_ms']:.3f} | "
+                   f"{100 * r['ratio']:.1f}% |")
     return "\n".join(out)
 
 
@@ -255,6 +272,7 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=4096, help="best-fit window in documents")
     parser.add_argument("--web-documents", type=int, default=2_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="imbalance,serving", help="comma-separated: imbalance, serving")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
 
@@ -266,12 +284,13 @@ def main() -> int:
     print(f"real: {real.shape[0]} documents, {int(real.sum())} tokens (median {int(np.median(real))}); "
           f"web: {web.shape[0]} documents, {int(web.sum())} tokens", flush=True)
     pools = {}
-    for kind, lengths in (("real", real), ("web", web)):
+    for kind, lengths in (("real", real), ("web", web)) if "imbalance" in args.parts.split(",") else ():
         for seq in SEQ_LENGTHS:
             pools[(kind, "concat", seq)] = concat_pool(lengths, seq, args.seed)
             pools[(kind, "best fit", seq)] = best_fit_pool(lengths, seq, args.window, args.seed)
-    rows = imbalance_rows(pools, args)
-    serving = serving_rows(prefix, args)
+    parts = set(args.parts.split(","))
+    rows = imbalance_rows(pools, args) if "imbalance" in parts else []
+    serving = serving_rows(prefix, args) if "serving" in parts else []
     print(table(rows, serving))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
