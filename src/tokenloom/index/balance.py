@@ -240,44 +240,49 @@ def _check_layout(num: int, dp: int, micro_batch_size: int) -> int:
 
 @jit(cache=True, nogil=True)
 def _stable_argsort(keys):
-    """``np.argsort(keys, kind="mergesort")`` (ascending, ties by index: the one stable order),
-    by insertion below 16 keys and bottom-up merging above. numba's own stable argsort allocates
-    as it recurses and took most of a step's placement; this one allocates two arrays."""
+    """``np.argsort(keys, kind="mergesort")`` (ascending, ties by index: the one stable order):
+    insertion sorts of runs of 16, then bottom-up merges, moving each key with its index so
+    that no comparison looks up through the order. numba's own stable argsort allocates as it
+    recurses and took most of a step's placement."""
     n = keys.shape[0]
     order = np.arange(n)
-    if n <= 16:
-        for k in range(1, n):
-            item = order[k]
-            value = keys[item]
+    values = keys.copy()
+    for lo in range(0, n, 16):
+        for k in range(lo + 1, min(lo + 16, n)):
+            value, item = values[k], order[k]
             at = k
-            while at > 0 and keys[order[at - 1]] > value:
+            while at > lo and values[at - 1] > value:  # only past greater keys: stable
+                values[at] = values[at - 1]
                 order[at] = order[at - 1]
                 at -= 1
+            values[at] = value
             order[at] = item
+    if n <= 16:
         return order
-    other = np.empty(n, dtype=order.dtype)
-    width = 1
+    other, spare = np.empty(n, dtype=order.dtype), np.empty(n, dtype=values.dtype)
+    width = 16
     while width < n:
         for lo in range(0, n, 2 * width):
             mid, hi = min(lo + width, n), min(lo + 2 * width, n)
             a, b, at = lo, mid, lo
             while a < mid and b < hi:
-                if keys[order[b]] < keys[order[a]]:  # the left one first on a tie: stable
-                    other[at] = order[b]
+                if values[b] < values[a]:  # the left one first on a tie: stable
+                    spare[at], other[at] = values[b], order[b]
                     b += 1
                 else:
-                    other[at] = order[a]
+                    spare[at], other[at] = values[a], order[a]
                     a += 1
                 at += 1
             while a < mid:
-                other[at] = order[a]
+                spare[at], other[at] = values[a], order[a]
                 a += 1
                 at += 1
             while b < hi:
-                other[at] = order[b]
+                spare[at], other[at] = values[b], order[b]
                 b += 1
                 at += 1
         order, other = other, order
+        values, spare = spare, values
         width *= 2
     return order
 
