@@ -328,7 +328,9 @@ def _partition_kernel(costs, bins, out):
             for i in range(per):  # the first best swap in (i, b, j) order
                 mine = costs[out[heavy, i]]
                 for b in range(bins):
-                    if b == heavy:
+                    # a swap with bin b leaves max(top - delta, loads[b] + delta), at least the
+                    # pair's mean: where that cannot beat the best so far no j of b is taken
+                    if b == heavy or (top + loads[b] + 1) // 2 >= best:
                         continue
                     for j in range(per):
                         delta = mine - costs[out[b, j]]  # load moved off the heavy bin
