@@ -23,6 +23,7 @@ from tokenloom.builder.schedule import run_counts
 from tokenloom.errors import ConfigError
 from tokenloom.index.schedule_exact import exact_phase_blends
 from tokenloom.index.split import split_document_ranges
+from tokenloom.io import IndexedDataset
 
 SEQ, LONG = 64, 256
 #: store0 changes length twice (three runs, crossing an epoch of its train documents); store1 keeps
@@ -222,6 +223,22 @@ def test_where_and_find_round_trip_across_runs(built):
     for origin in train.where(positions):
         assert origin.position in train.find(origin.prefix, origin.pieces[0].document)
         assert sum(p.length for p in origin.pieces) == train.seq_lengths[origin.dataset] + 1
+
+
+def test_where_gives_the_pieces_a_sample_is_read_from_in_every_run(built):
+    """In both modes, the pieces ``where`` names, read from the store, are the served sample's
+    tokens, at its run's width, through every run of every store."""
+    result = built[3]
+    train = result.split("train")
+    positions = np.arange(0, len(train), 7)
+    dataset_ids, sample_ids = train.locate(positions)
+    stores: dict = {}
+    for k, origin in enumerate(train.where(positions)):
+        row = train.read_samples(dataset_ids[k:k + 1], sample_ids[k:k + 1])[0]  # one width per read
+        store = stores.setdefault(origin.prefix, IndexedDataset(origin.prefix))
+        tokens = np.concatenate([store.get(p.document, p.offset, p.length) for p in origin.pieces])
+        width = int(train.seq_lengths[origin.dataset]) + 1
+        np.testing.assert_array_equal(tokens[:width], row[:width], err_msg=f"position {origin.position}")
 
 
 def test_the_dry_run_says_where_each_run_starts(built):
