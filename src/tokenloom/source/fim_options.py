@@ -129,7 +129,8 @@ class FimSettings:
 
     options: FimOptions
     stores: tuple[str, ...] | None
-    """The store prefixes whose samples are permuted (those of this split); None: every store."""
+    """The config's permuted store prefixes, resolved (a split permutes those it holds); None:
+    every store."""
     codec: Any
     """The stores' tokenizer (a ``tokenloom.serve.fim.FimCodec``: FIM cuts the samples' text)."""
     seed: int
