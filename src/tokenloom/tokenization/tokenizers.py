@@ -330,8 +330,10 @@ class HuggingFaceTokenizer:
         drops = self._gigatoken_drops()
         if drops is None or any(a.size and (a.min() < 0 or a.max() >= drops.shape[0]) for a in arrays):
             return self._tokenizer.decode_batch([a.tolist() for a in arrays], skip_special_tokens=True)
-        # tokenizers turns broken UTF-8 into U+FFFD as Python's "replace" does (maximal subparts)
-        return [self._fast.decode_bytes(a[~drops[a]].tolist()).decode("utf-8", "replace") for a in arrays]
+        try:  # tokenizers turns broken UTF-8 into U+FFFD as Python's "replace" does (maximal subparts)
+            return [self._fast.decode_bytes(a[~drops[a]].tolist()).decode("utf-8", "replace") for a in arrays]
+        except Exception:  # an id gigatoken has no bytes for (a hole in the vocabulary): tokenizers' rule
+            return self._tokenizer.decode_batch([a.tolist() for a in arrays], skip_special_tokens=True)
 
     def _gigatoken_drops(self) -> np.ndarray | None:
         """``(vocab_size,)`` bool, the ids :meth:`decode` drops (the special tokens), where
