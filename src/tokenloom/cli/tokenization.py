@@ -199,8 +199,9 @@ def _with_flag_hint(exc: TokenloomError, args: argparse.Namespace) -> TokenloomE
     failures = getattr(exc, "failures", None)  # a collective failure carries each rank's own
     try:
         return type(exc)(f"{message} ({hint})", *(() if failures is None else (failures,)))
-    except TypeError:  # an error class made otherwise keeps its message
-        return exc
+    except TypeError:  # an error class made otherwise (a record's reason first): its public base
+        base = next(cls for cls in (InputError, ConfigError, BuildError, TokenloomError) if isinstance(exc, cls))
+        return base(f"{message} ({hint})")
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
