@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import ConfigError
-from tokenloom.tokenization.inputs import RecordError
+from tokenloom.tokenization.inputs import RecordError, _json_type
 from tokenloom.validate import is_integer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -272,17 +272,11 @@ def conversations_of(record: Any, where: str) -> list[list[Mapping[str, Any]]]:
 
 
 def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, list):
-        return "an empty array" if not value else "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return "a string" if isinstance(value, str) else type(value).__name__
+    """A JSON value's kind as a message says it (:func:`~tokenloom.tokenization.inputs._json_type`),
+    a string and an empty array named as such: a conversation needs messages."""
+    if isinstance(value, str):
+        return "a string"
+    return "an empty array" if isinstance(value, list) and not value else _json_type(value)
 
 
 # -- conversations -> tokens and mask -------------------------------------------------------------
